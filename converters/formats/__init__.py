@@ -1,0 +1,1 @@
+"""Output formats. Each module holds one converter; see converters.registry."""

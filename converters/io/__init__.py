@@ -1,0 +1,1 @@
+"""Low-level readers and writers: validated safetensors access, streaming writers."""

@@ -1,0 +1,185 @@
+"""Logit parity of an export against a reference.
+
+The exported model and a reference run the same probe sequences in fp32; we
+compare next-token log-probabilities. References are chosen so that each
+format is checked by an implementation other than the one that wrote it:
+
+- merged-safetensors: the base model with the adapter applied by PEFT
+  (``PeftModel`` on the PEFT-layout adapter) where PEFT can express the adapter;
+  for MoE expert LoRA, which PEFT cannot attach to transformers' fused expert
+  tensors, the explicit formula W + scale*B@A applied to the loaded base.
+- lora-adapter: the explicit formula on the loaded base, against PEFT loading
+  the exported adapter.
+
+Models are loaded one at a time, so peak memory is one fp32 model.
+"""
+
+from __future__ import annotations
+
+import gc
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from .formats.base import ConvertContext
+from .targets import placements
+
+PROBE_TEXTS = [
+    "The quick brown fox jumps over the lazy dog. 12345 + 678 = 13023",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "你好，世界！今日は良い天気ですね。 Привет, мир!",
+    "    indented\n\n\nnewlines\tand\ttabs 🙂🚀",
+]
+MAX_PROBE_TOKENS = 48
+
+# Pass thresholds on max |Δ log p| over every position and vocabulary entry, by
+# the dtype the exported weights were rounded to (the reference runs unrounded
+# fp32 deltas), and a floor on top-1 agreement.
+TOLERANCE = {"F32": 2e-3, "F16": 0.05, "BF16": 0.3}
+MIN_TOP1 = {"F32": 1.0, "F16": 0.95, "BF16": 0.9}
+
+
+def _probes(base_path: Path, vocab: int) -> list[list[int]]:
+    try:
+        from transformers import AutoTokenizer
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tok = AutoTokenizer.from_pretrained(str(base_path))
+        seqs = [tok(t, add_special_tokens=False)["input_ids"][:MAX_PROBE_TOKENS] for t in PROBE_TEXTS]
+        if getattr(tok, "chat_template", None):
+            chat = tok.apply_chat_template([{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello."}], tokenize=False)
+            seqs.append(tok(chat, add_special_tokens=False)["input_ids"][:MAX_PROBE_TOKENS])
+        seqs = [[i for i in s if i < vocab] for s in seqs]
+        if all(len(s) >= 2 for s in seqs):
+            return seqs
+    except Exception:  # no or unusable tokenizer: random ids still exercise every weight
+        pass
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (32,), generator=g).tolist() for _ in range(4)]
+
+
+def _logprobs(model, probes: list[list[int]]) -> list[torch.Tensor]:
+    out = []
+    with torch.inference_mode():
+        for ids in probes:
+            logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+            out.append(torch.log_softmax(logits, dim=-1))
+    return out
+
+
+def _load(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return m.eval()
+
+
+def _free(*objs) -> None:
+    del objs
+    gc.collect()
+
+
+def apply_formula(model, ctx: ConvertContext) -> None:
+    """W += scale * B @ A on the loaded model's parameters (the independent reference)."""
+    fam = ctx.base.family
+    params = dict(model.named_parameters())
+    adapter = ctx.adapter
+    with torch.no_grad():
+        for p in placements(adapter, ctx.base):
+            a = adapter.file.rows(p.a.tensor, p.a.r0, p.a.r1).float()
+            b = adapter.file.rows(p.b.tensor, p.b.r0, p.b.r1).float()
+            delta = p.module.scale * (b @ a)
+            if p.tensor == fam.lm_head:
+                head = model.get_output_embeddings()
+                if head.weight is model.get_input_embeddings().weight:
+                    head.weight = torch.nn.Parameter(head.weight.detach().clone())
+                head.weight += delta
+                continue
+            if p.tensor in params:
+                w = params[p.tensor]
+                w.view(-1, w.shape[-1])[p.row_offset : p.row_offset + delta.shape[0]] += delta
+                continue
+            # transformers >= 5 holds experts fused in memory whatever the on-disk layout
+            proj = fam.moe.archive_projections.get(p.module.module, p.module.module)
+            slot = fam.moe.fused[proj]
+            w = params[slot.tensor.format(layer=p.module.layer)]
+            off = p.expert * w.shape[1] + slot.chunk * (w.shape[1] // slot.chunks)
+            w.view(-1, w.shape[-1])[off : off + delta.shape[0]] += delta
+
+
+def _peft_reference(ctx: ConvertContext, probes) -> list[torch.Tensor]:
+    from peft import PeftModel
+
+    from .execute import execute
+    from .formats.lora_adapter import LoraAdapter
+
+    with tempfile.TemporaryDirectory(prefix="nucleus-verify-") as tmp:
+        plan = LoraAdapter().plan(ctx)
+        execute(plan, Path(tmp), ctx.readers())
+        base = _load(ctx.base.path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = PeftModel.from_pretrained(base, tmp).eval()
+        lp = _logprobs(model, probes)
+        _free(model, base)
+    return lp
+
+
+def _formula_reference(ctx: ConvertContext, probes) -> list[torch.Tensor]:
+    model = _load(ctx.base.path)
+    apply_formula(model, ctx)
+    lp = _logprobs(model, probes)
+    _free(model)
+    return lp
+
+
+def compare(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict:
+    max_abs = 0.0
+    kl_sum, n, agree = 0.0, 0, 0
+    for r, g in zip(ref, got):
+        max_abs = max(max_abs, float((r - g).abs().max()))
+        kl_sum += float((r.exp() * (r - g)).sum(-1).sum())
+        agree += int((r.argmax(-1) == g.argmax(-1)).sum())
+        n += r.shape[0]
+    return {"max_abs_logprob_diff": max_abs, "mean_kl": kl_sum / n, "top1_agreement": agree / n, "positions": n}
+
+
+def verify_output(fmt: str, ctx: ConvertContext, out_dir: Path) -> dict:
+    out_dir = Path(out_dir)
+    has_experts = ctx.adapter is not None and any(m.kind in ("experts", "expert") for m in ctx.adapter.modules)
+    probes = _probes(ctx.base.path, int(ctx.base.config.get("vocab_size", 32000)))
+    if fmt == "merged-safetensors":
+        dtype = ctx.options.dtype or ctx.base.dtype
+        if ctx.adapter is None:
+            reference, ref = "base", _logprobs(_load(ctx.base.path), probes)
+        elif has_experts:
+            reference, ref = "formula", _formula_reference(ctx, probes)
+        else:
+            reference, ref = "peft", _peft_reference(ctx, probes)
+        model = _load(out_dir)
+        got = _logprobs(model, probes)
+        _free(model)
+    elif fmt == "lora-adapter":
+        dtype = "F32"
+        if has_experts:
+            return {"status": "skipped", "reason": "PEFT cannot attach per-expert LoRA modules to transformers' fused expert tensors, so the adapter cannot be run here; the merged-safetensors export of the same checkpoint is verified instead."}
+        from peft import PeftModel
+
+        reference, ref = "formula", _formula_reference(ctx, probes)
+        base = _load(ctx.base.path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = PeftModel.from_pretrained(base, str(out_dir)).eval()
+        got = _logprobs(model, probes)
+        _free(model, base)
+    else:
+        return {"status": "skipped", "reason": f"no verifier for format {fmt}"}
+    metrics = compare(ref, got)
+    tol, min_top1 = TOLERANCE.get(dtype, 0.3), MIN_TOP1.get(dtype, 0.9)
+    ok = metrics["max_abs_logprob_diff"] <= tol and metrics["top1_agreement"] >= min_top1
+    return {"status": "passed" if ok else "failed", "reference": reference, "weights_dtype": dtype, "tolerance": {"max_abs_logprob_diff": tol, "min_top1_agreement": min_top1}, **metrics}

@@ -1,0 +1,1 @@
+"""nucleus-export's service side: CLI now; job runner, store, API later."""

@@ -1,0 +1,52 @@
+"""Typed settings in one place. Values come from NUCLEUS_EXPORT_* environment variables.
+
+Only what exists today is here; the service issues extend this object.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from converters.archive import ArchiveLimits
+
+PREFIX = "NUCLEUS_EXPORT_"
+
+
+def _env(name: str, default, cast):
+    raw = os.environ.get(PREFIX + name.upper())
+    if raw is None or raw == "":
+        return default
+    if cast is bool:
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    return cast(raw)
+
+
+@dataclass(frozen=True)
+class Settings:
+    data_dir: Path = field(default_factory=lambda: Path.home() / ".local" / "share" / "nucleus-export")
+    model_store: str | None = None
+    hf_offline: bool | None = None
+    max_member_bytes: int = ArchiveLimits.max_member_bytes
+    max_archive_bytes: int = ArchiveLimits.max_total_bytes
+    max_compression_ratio: float = ArchiveLimits.max_compression_ratio
+    max_archive_members: int = ArchiveLimits.max_members
+    verify_max_params: int = 2_000_000_000
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        values = {}
+        for f in fields(cls):
+            default = getattr(cls(), f.name)
+            cast = {"data_dir": Path, "model_store": str, "hf_offline": bool}.get(f.name, type(default))
+            values[f.name] = _env(f.name, default, cast)
+        return cls(**values)
+
+    def archive_limits(self) -> ArchiveLimits:
+        return ArchiveLimits(
+            max_member_bytes=self.max_member_bytes,
+            max_total_bytes=self.max_archive_bytes,
+            max_compression_ratio=self.max_compression_ratio,
+            max_members=self.max_archive_members,
+        )
