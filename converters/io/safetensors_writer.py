@@ -58,7 +58,10 @@ class SafetensorsWriter:
 
     def write(self, data) -> None:
         """Append bytes of the current tensor (never across a tensor boundary)."""
-        mv = memoryview(data).cast("B")
+        mv = memoryview(data)
+        if mv.nbytes == 0:
+            return
+        mv = mv.cast("B")
         if len(mv) > self._left:
             raise RuntimeError(f"writer: {len(mv)} bytes for tensor {self.current!r} but only {self._left} remain")
         self._emit(mv)
