@@ -111,7 +111,10 @@ def _validate_config(config: dict) -> None:
 
 def _check_finite(f: SafetensorsFile, info: TensorInfo) -> None:
     t = f.rows(info.name, 0, info.rows)
-    if not bool(torch.isfinite(t).all()):
+    finite = bool(torch.isfinite(t).all())
+    del t
+    f.release(info.start, info.end)  # keep the resident set small; re-read when merged
+    if not finite:
         raise InputError(E.ADAPTER_NONFINITE, f"adapter tensor {info.name!r} holds NaN or Inf values; the training run diverged, export an earlier checkpoint.")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
 import shutil
 import time
 from dataclasses import dataclass
@@ -55,16 +56,36 @@ def _copy_verbatim(t: TensorPlan, r: SafetensorsFile, w: SafetensorsWriter, rep:
     end = info.start + t.source.r1 * info.row_bytes
     for off in range(start, end, COPY_CHUNK):
         stop = min(end, off + COPY_CHUNK)
-        w.write(r.raw(off, stop))
-        r.release(off, stop)
+        w.write(r.raw(off, stop), done=lambda a=off, b=stop: r.release(a, b))
         rep.add(stop - off)
 
 
-def _merge_blocks(t: TensorPlan, readers: dict[str, SafetensorsFile], w: SafetensorsWriter, rep: _Reporter) -> None:
+class _Buffers:
+    """Fixed working memory for the merge loop: nothing is allocated per block.
+
+    ``src`` and ``acc`` are used by the compute thread only; ``out`` buffers go
+    to the writer thread and come back through the write's ``done`` callback,
+    which also throttles the producer when the disk lags.
+    """
+
+    def __init__(self, nbytes: int = BLOCK_BYTES, out_buffers: int = 6):
+        self.src = torch.empty(nbytes, dtype=torch.uint8)
+        self.acc = torch.empty(nbytes // 4, dtype=torch.float32)
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(out_buffers):
+            self._free.put(torch.empty(nbytes, dtype=torch.uint8))
+
+    def take(self) -> torch.Tensor:
+        return self._free.get()
+
+    def give(self, t: torch.Tensor) -> None:
+        self._free.put(t)
+
+
+def _merge_blocks(t: TensorPlan, readers: dict[str, SafetensorsFile], w: SafetensorsWriter, rep: _Reporter, bufs: _Buffers) -> None:
     src = t.source
     r = readers[src.file]
-    info = r.tensors[src.tensor]
-    out_dtype = to_torch(t.dtype)
+    src_dtype, out_dtype = to_torch(src.dtype), to_torch(t.dtype)
     ops = [
         (op, readers[op.a.file].rows(op.a.tensor, op.a.r0, op.a.r1).to(torch.float32),
          readers[op.b.file].rows(op.b.tensor, op.b.r0, op.b.r1).to(torch.float32))
@@ -72,20 +93,24 @@ def _merge_blocks(t: TensorPlan, readers: dict[str, SafetensorsFile], w: Safeten
     ]
     cols = src.cols
     block = max(1, BLOCK_BYTES // max(1, cols * 4))
-    buf = torch.empty(min(block, src.rows) * cols, dtype=torch.float32)
+    if block * cols * 4 > BLOCK_BYTES:  # one row wider than a block: size the buffers for it
+        bufs = _Buffers(block * cols * 4, out_buffers=2)
+    src_view = bufs.src.view(src_dtype)
     for r0 in range(0, src.rows, block):
         r1 = min(src.rows, r0 + block)
-        x = buf[: (r1 - r0) * cols].view(r1 - r0, cols)
-        x.copy_(r.rows(src.tensor, src.r0 + r0, src.r0 + r1))
+        n = (r1 - r0) * cols
+        x = bufs.acc[:n].view(r1 - r0, cols)
+        x.copy_(r.read_rows(src.tensor, src.r0 + r0, src.r0 + r1, src_view))
         for op, a, b in ops:
             lo, hi = max(r0, op.row_offset), min(r1, op.row_offset + b.shape[0])
             if lo < hi:
                 # fp32 accumulate: x += scale * B[rows] @ A
                 x[lo - r0 : hi - r0].addmm_(b[lo - op.row_offset : hi - op.row_offset], a, alpha=op.scale)
-        y = x if out_dtype == torch.float32 else x.to(out_dtype)
-        w.write(y.view(torch.uint8).numpy())
-        r.release(info.start + (src.r0 + r0) * info.row_bytes, info.start + (src.r0 + r1) * info.row_bytes)
-        rep.add((r1 - r0) * cols * y.element_size())
+        out = bufs.take()
+        y = out.view(out_dtype)[:n].view(r1 - r0, cols)
+        y.copy_(x)  # the single rounding to the output dtype
+        w.write(y.view(torch.uint8).numpy(), done=lambda o=out: bufs.give(o))
+        rep.add(n * y.element_size())
 
 
 def _copy_file(src: Path, dst: Path, name: str, rep: _Reporter) -> FileRecord:
@@ -105,6 +130,18 @@ def execute(plan: Plan, out_dir: Path, readers: dict[str, SafetensorsFile], prog
     """Write everything the plan names into ``out_dir`` (which must exist and be empty)."""
     rep = _Reporter(progress, plan.total_bytes)
     records: dict[str, FileRecord] = {}
+    threads = torch.get_num_threads()
+    # Leave a core to the writer thread (write + sha256): on small machines
+    # torch's own threads would otherwise fight it (measured slower).
+    torch.set_num_threads(max(1, min(threads, len(os.sched_getaffinity(0)) - 1)))
+    try:
+        return _execute(plan, out_dir, readers, rep, records)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _execute(plan: Plan, out_dir: Path, readers: dict[str, SafetensorsFile], rep: "_Reporter", records: dict[str, FileRecord]) -> dict[str, FileRecord]:
+    bufs = _Buffers()
     with torch.inference_mode():
         for fp in plan.files:
             path = out_dir / fp.name
@@ -115,7 +152,7 @@ def execute(plan: Plan, out_dir: Path, readers: dict[str, SafetensorsFile], prog
                     if t.verbatim:
                         _copy_verbatim(t, readers[t.source.file], w, rep)
                     else:
-                        _merge_blocks(t, readers, w, rep)
+                        _merge_blocks(t, readers, w, rep, bufs)
                 sha = w.close()
             except BaseException:
                 w.abort()
