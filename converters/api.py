@@ -36,7 +36,7 @@ def _check_space(directory: Path, need: int) -> None:
         raise ExportError(E.DISK_FULL, f"{directory} has {free >> 20} MiB free but the export needs {(need + _DISK_MARGIN) >> 20} MiB; free some space or write elsewhere.")
 
 
-def _place(tmp: Path, out: Path) -> None:
+def _place(tmp: Path, out: Path, durable: bool) -> None:
     """Rename the finished temp dir into place; an old output is replaced only now."""
     if out.exists():
         old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
@@ -45,7 +45,8 @@ def _place(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, out)
-    fsync_dir(out.parent)
+    if durable:
+        fsync_dir(out.parent)
 
 
 def convert(
@@ -96,7 +97,7 @@ def convert(
 
         tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
         tmp.mkdir()
-        records = execute(plan, tmp, ctx.readers(), progress)
+        records = execute(plan, tmp, ctx.readers(), progress, durable=options.durable)
 
         do_verify = options.verify if options.verify is not None else base_model.num_parameters <= options.verify_max_params
         verification = None
@@ -126,8 +127,9 @@ def convert(
         with open(tmp / MANIFEST_NAME, "xb") as f:
             f.write(manifest.to_json())
             f.flush()
-            os.fsync(f.fileno())
-        _place(tmp, out)
+            if options.durable:
+                os.fsync(f.fileno())
+        _place(tmp, out, options.durable)
         tmp = None
         progress(ProgressEvent("done", plan.total_bytes, plan.total_bytes))
         return manifest

@@ -96,6 +96,16 @@ def _open_dir(path: Path, model_id: str | None, revision: str | None, max_header
         raise InputError(E.BASE_NO_SAFETENSORS, f"{path} has no safetensors weights.{hint}")
     files: dict[str, SafetensorsFile] = {}
     tensors: dict[str, tuple[str, TensorInfo]] = {}
+    try:
+        _index_tensors(path, names, files, tensors, max_header_bytes)
+    except BaseException:
+        for f in files.values():
+            f.close()
+        raise
+    return BaseModel(path, model_id, revision, config, family, files, tensors)
+
+
+def _index_tensors(path: Path, names: list[str], files: dict, tensors: dict, max_header_bytes: int) -> None:
     for n in names:
         p = path / n
         if not p.is_file():
@@ -106,7 +116,6 @@ def _open_dir(path: Path, model_id: str | None, revision: str | None, max_header
             if tname in tensors:
                 raise InputError(E.BASE_INVALID, f"tensor {tname} appears in both {tensors[tname][0]} and {n}; the base model is inconsistent.")
             tensors[tname] = (n, info)
-    return BaseModel(path, model_id, revision, config, family, files, tensors)
 
 
 def _from_hub(repo_id: str, revision: str | None, offline: bool) -> tuple[Path, str | None]:

@@ -126,7 +126,7 @@ def _copy_file(src: Path, dst: Path, name: str, rep: _Reporter) -> FileRecord:
     return FileRecord(name, size, h.hexdigest())
 
 
-def execute(plan: Plan, out_dir: Path, readers: dict[str, SafetensorsFile], progress: ProgressFn = silent) -> dict[str, FileRecord]:
+def execute(plan: Plan, out_dir: Path, readers: dict[str, SafetensorsFile], progress: ProgressFn = silent, durable: bool = True) -> dict[str, FileRecord]:
     """Write everything the plan names into ``out_dir`` (which must exist and be empty)."""
     rep = _Reporter(progress, plan.total_bytes)
     records: dict[str, FileRecord] = {}
@@ -135,18 +135,18 @@ def execute(plan: Plan, out_dir: Path, readers: dict[str, SafetensorsFile], prog
     # torch's own threads would otherwise fight it (measured slower).
     torch.set_num_threads(max(1, min(threads, len(os.sched_getaffinity(0)) - 1)))
     try:
-        return _execute(plan, out_dir, readers, rep, records)
+        return _execute(plan, out_dir, readers, rep, records, durable)
     finally:
         torch.set_num_threads(threads)
 
 
-def _execute(plan: Plan, out_dir: Path, readers: dict[str, SafetensorsFile], rep: "_Reporter", records: dict[str, FileRecord]) -> dict[str, FileRecord]:
+def _execute(plan: Plan, out_dir: Path, readers: dict[str, SafetensorsFile], rep: "_Reporter", records: dict[str, FileRecord], durable: bool) -> dict[str, FileRecord]:
     bufs = _Buffers()
     with torch.inference_mode():
         for fp in plan.files:
             path = out_dir / fp.name
             path.parent.mkdir(parents=True, exist_ok=True)
-            w = SafetensorsWriter(path, [(t.name, t.dtype, t.shape) for t in fp.tensors], fp.metadata)
+            w = SafetensorsWriter(path, [(t.name, t.dtype, t.shape) for t in fp.tensors], fp.metadata, durable=durable)
             try:
                 for t in fp.tensors:
                     if t.verbatim:

@@ -72,6 +72,9 @@ def _logprobs(model, probes: list[list[int]]) -> list[torch.Tensor]:
 
 def _load(path: Path):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our caller renders progress
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -8,6 +8,12 @@ adapter on all seven linear modules, then runs, each in a fresh process:
   peft: from_pretrained -> PeftModel.from_pretrained -> merge_and_unload -> save_pretrained
 
 and prints wall time and peak RSS (the child's ru_maxrss) for each, with ratios.
+Ours runs twice: durable (the default: outputs fsynced before they appear) and
+with --no-fsync (what save_pretrained does). A third child writes the same
+number of bytes with plain sequential writes: the disk's floor, which no tool
+that writes the merged model can beat. The model is built in a child process
+too, so this parent stays small (a child's ru_maxrss includes its parent's
+resident set at fork time).
 Usage: python scripts/bench_merge.py [--size 1b|3b] [--workdir DIR] [--keep]
 """
 
@@ -23,6 +29,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SIZES = {
     # Llama-shaped; parameter counts include embeddings and the untied head.
@@ -40,6 +48,16 @@ base, adapter, out = sys.argv[1:4]
 model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
 model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
 model.save_pretrained(out, max_shard_size="5GB")
+"""
+
+DISK_FLOOR_SCRIPT = """
+import os, sys
+n, path = int(sys.argv[1]), sys.argv[2]
+buf = os.urandom(16 << 20)
+with open(path, "wb") as f:
+    while n > 0:
+        f.write(buf[: min(n, len(buf))])
+        n -= len(buf)
 """
 
 
@@ -130,19 +148,44 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--skip-peft", action="store_true", help="measure only our export")
+    ap.add_argument("--build-into", help=argparse.SUPPRESS)  # internal: the build child
     args = ap.parse_args()
+    if args.build_into:
+        *_, nparams = build(Path(args.build_into), args.size)
+        (Path(args.build_into) / "built.json").write_text(json.dumps({"parameters": nparams}))
+        return
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-merge-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
         t = time.perf_counter()
-        base, archive, peft_dir, nparams = build(work, args.size)
-        print(f"model: {nparams / 1e9:.2f}B parameters, bf16, 2 shards ({sum(p.stat().st_size for p in base.glob('*.safetensors')) / 1e9:.2f} GB); adapter rank 32 fp32 on 7 modules; built in {time.perf_counter() - t:.0f}s")
-        ours = run([sys.executable, "-m", "exporter", "convert", str(archive), "--base", str(base), "-f", "merged-safetensors", "-o", str(work / "ours"), "--no-verify", "--progress", "none"])
-        print(f"nucleus-export   wall {ours[0]:7.1f} s   peak RSS {ours[1] / 2**20:7.0f} MiB")
+        subprocess.run([sys.executable, __file__, "--build-into", str(work), "--size", args.size], check=True)
+        base, archive, peft_dir = work / "base", work / "ckpt.tar", work / "peft-adapter"
+        nbytes = sum(p.stat().st_size for p in base.glob("*.safetensors"))
+        nparams = json.loads((work / "built.json").read_text())["parameters"]
+        print(f"model: {nparams / 1e9:.2f}B parameters, bf16, 2 shards ({nbytes / 1e9:.2f} GB); adapter rank 32 fp32 on 7 modules; built in {time.perf_counter() - t:.0f}s")
+        convert = [sys.executable, "-m", "exporter", "convert", str(archive), "--base", str(base), "-f", "merged-safetensors", "--no-verify", "--progress", "none"]
+        rows = []
+        subprocess.run(["sync"])
+        rows.append(("disk floor (plain writes)", run([sys.executable, "-c", DISK_FLOOR_SCRIPT, str(nbytes), str(work / "floor.bin")])))
+        (work / "floor.bin").unlink()
+        subprocess.run(["sync"])
+        rows.append(("nucleus-export (durable)", run([*convert, "-o", str(work / "ours")])))
+        shutil.rmtree(work / "ours")
+        subprocess.run(["sync"])
+        rows.append(("nucleus-export --no-fsync", run([*convert, "-o", str(work / "ours-nofsync"), "--no-fsync"])))
+        shutil.rmtree(work / "ours-nofsync")
         if not args.skip_peft:
-            peft = run([sys.executable, "-c", PEFT_SCRIPT, str(base), str(peft_dir), str(work / "peft")])
-            print(f"PEFT merge path  wall {peft[0]:7.1f} s   peak RSS {peft[1] / 2**20:7.0f} MiB")
-            print(f"ratio (PEFT / ours): time {peft[0] / ours[0]:.2f}x faster, memory {peft[1] / ours[1]:.2f}x smaller")
+            subprocess.run(["sync"])
+            rows.append(("PEFT merge_and_unload path", run([sys.executable, "-c", PEFT_SCRIPT, str(base), str(peft_dir), str(work / "peft")])))
+        for name, (wall, rss) in rows:
+            print(f"{name:<28} wall {wall:7.1f} s   peak RSS {rss / 2**20:7.0f} MiB")
+        floor = rows[0][1][0]
+        for name, (wall, rss) in rows[1:3]:
+            line = f"{name:<28} {wall / floor:.2f}x the disk floor"
+            if not args.skip_peft:
+                peft = rows[3][1]
+                line += f"; vs PEFT: {peft[0] / wall:.2f}x faster, {peft[1] / rss:.2f}x less memory"
+            print(line)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -55,3 +55,4 @@ def test_reader_rows_and_release(tmp_path):
         f.release(info.start, info.end)
         assert torch.equal(f.tensor("t"), t)  # pages come back from the file after release
         assert torch.equal(f.tensor("n"), torch.ones(3))
+

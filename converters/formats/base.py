@@ -5,7 +5,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from .. import errors as E
 from ..adapter import Adapter
+from ..errors import InputError
+from ..io.dtypes import DTYPE_ALIASES
 from ..archive import ArchiveLimits, Checkpoint
 from ..base_model import BaseModel
 from ..plan import Plan
@@ -21,10 +24,24 @@ class ConvertOptions:
     verify_max_params: int = 2_000_000_000
     force_base: bool = False
     overwrite: bool = False
+    # fsync outputs before they are renamed into place, so a crash or power loss
+    # never leaves a complete-looking but torn output. Off only for throwaway runs.
+    durable: bool = True
     model_store: str | None = None
     base_revision: str | None = None
     offline: bool | None = None
     limits: ArchiveLimits = field(default_factory=ArchiveLimits)
+
+    def __post_init__(self) -> None:
+        # Accept the user-facing spellings (bf16, float16, …) from Python callers too.
+        if self.dtype is not None:
+            key = str(self.dtype).strip()
+            canonical = DTYPE_ALIASES.get(key.lower(), key if key in DTYPE_ALIASES.values() else None)
+            if canonical is None:
+                raise InputError(E.INVALID_OPTION, f"dtype {self.dtype!r} is not valid; use bf16, fp16 or fp32.", field="dtype")
+            object.__setattr__(self, "dtype", canonical)
+        if self.max_shard_size <= 0:
+            raise InputError(E.INVALID_OPTION, "max_shard_size must be positive.", field="max_shard_size")
 
 
 @dataclass

@@ -25,11 +25,35 @@ from .dtypes import itemsize
 
 _QUEUE_BLOCKS = 4
 _STOP = object()
+_WRITEBACK_EVERY = 64 << 20
+
+
+def _sync_file_range():
+    """Linux sync_file_range(2), or None: starts writeback without waiting for it."""
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+        fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
 
 
 class SafetensorsWriter:
-    def __init__(self, path: str | os.PathLike, entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None):
+    def __init__(self, path: str | os.PathLike, entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None, *, durable: bool = True):
+        """``durable``: fsync on close, and start writeback while writing so that
+        fsync has little left to do (the disk works while we compute)."""
         self.path = Path(path)
+        self.durable = durable
+        self._written = 0
+        self._synced = 0
         header: dict = {}
         if metadata:
             header["__metadata__"] = metadata
@@ -65,6 +89,11 @@ class SafetensorsWriter:
                 try:
                     self._f.write(data)
                     self._hash.update(data)
+                    self._written += len(data)
+                    if self.durable and _SYNC_FILE_RANGE and self._written - self._synced >= _WRITEBACK_EVERY:
+                        self._f.flush()
+                        _SYNC_FILE_RANGE(self._f.fileno(), self._synced, self._written - self._synced, _SYNC_FILE_RANGE_WRITE)
+                        self._synced = self._written
                 except BaseException as exc:  # surfaced to the producer on its next call
                     self._error = exc
             if done is not None:
@@ -109,7 +138,7 @@ class SafetensorsWriter:
             self._thread.join()
 
     def close(self) -> str:
-        """Finish the file (flushed and fsynced); returns its sha256. Fails if any tensor is short."""
+        """Finish the file (fsynced when durable); returns its sha256. Fails if any tensor is short."""
         self._finish_thread()
         try:
             if self._error is not None:
@@ -117,7 +146,8 @@ class SafetensorsWriter:
             if self._index < len(self._sizes):
                 raise RuntimeError(f"writer: tensor {self.current!r} is missing {self._left} bytes")
             self._f.flush()
-            os.fsync(self._f.fileno())
+            if self.durable:
+                os.fsync(self._f.fileno())
         finally:
             self._f.close()
         return self._hash.hexdigest()

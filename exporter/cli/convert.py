@@ -7,7 +7,6 @@ import sys
 
 from converters import ConvertOptions, convert, registry
 from converters.errors import EXIT_OK
-from converters.io.dtypes import DTYPE_ALIASES
 from converters.plan import parse_size
 
 from ..settings import Settings
@@ -30,31 +29,22 @@ def register(sub) -> None:
     p.add_argument("--base-revision", help="Hub revision of the base model")
     p.add_argument("--force-base", action="store_true", help="use --base even if the archive names a different base model")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output (atomically, once the new one is complete)")
+    p.add_argument("--no-fsync", dest="durable", action="store_false", help="skip fsync (faster; a crash may leave a torn output). Default: outputs are fsynced before they appear")
     p.add_argument("--offline", action="store_true", default=None, help="never contact the Hub; use the local cache only")
     p.set_defaults(func=run)
-
-
-def _dtype(value: str) -> str | None:
-    if value == "auto":
-        return None
-    key = value.strip().lower()
-    if key not in DTYPE_ALIASES:
-        from converters.errors import INVALID_OPTION, InputError
-
-        raise InputError(INVALID_OPTION, f"--dtype {value!r} is not valid; use auto, bf16, fp16 or fp32.", field="dtype")
-    return DTYPE_ALIASES[key]
 
 
 @guarded
 def run(args) -> int:
     settings = Settings.from_env()
     options = ConvertOptions(
-        dtype=_dtype(args.dtype),
+        dtype=None if args.dtype == "auto" else args.dtype,
         max_shard_size=parse_size(args.max_shard_size),
         verify=args.verify,
         verify_max_params=settings.verify_max_params,
         force_base=args.force_base,
         overwrite=args.overwrite,
+        durable=args.durable,
         model_store=args.model_store or settings.model_store,
         base_revision=args.base_revision,
         offline=args.offline if args.offline is not None else settings.hf_offline,
