@@ -63,9 +63,6 @@ class LoraModule:
     def out_features(self) -> int:
         return self.b.shape[-2]
 
-    def experts_in(self, t: TensorInfo) -> int:
-        return t.shape[0] if self.kind == "experts" else 1
-
 
 @dataclass
 class Adapter:

@@ -87,8 +87,8 @@ def _merge_blocks(t: TensorPlan, readers: dict[str, SafetensorsFile], w: Safeten
     r = readers[src.file]
     src_dtype, out_dtype = to_torch(src.dtype), to_torch(t.dtype)
     ops = [
-        (op, readers[op.a.file].rows(op.a.tensor, op.a.r0, op.a.r1).to(torch.float32),
-         readers[op.b.file].rows(op.b.tensor, op.b.r0, op.b.r1).to(torch.float32))
+        (op, readers[op.a.file].rows_copy(op.a.tensor, op.a.r0, op.a.r1, torch.float32),
+         readers[op.b.file].rows_copy(op.b.tensor, op.b.r0, op.b.r1, torch.float32))
         for op in t.ops
     ]
     cols = src.cols

@@ -82,11 +82,6 @@ def _load(path: Path):
     return m.eval()
 
 
-def _free(*objs) -> None:
-    del objs
-    gc.collect()
-
-
 def apply_formula(model, ctx: ConvertContext) -> None:
     """W += scale * B @ A on the loaded model's parameters (the independent reference)."""
     fam = ctx.base.family
@@ -129,7 +124,8 @@ def _peft_reference(ctx: ConvertContext, probes) -> list[torch.Tensor]:
             warnings.simplefilter("ignore")
             model = PeftModel.from_pretrained(base, tmp).eval()
         lp = _logprobs(model, probes)
-        _free(model, base)
+        del model, base
+        gc.collect()
     return lp
 
 
@@ -137,7 +133,8 @@ def _formula_reference(ctx: ConvertContext, probes) -> list[torch.Tensor]:
     model = _load(ctx.base.path)
     apply_formula(model, ctx)
     lp = _logprobs(model, probes)
-    _free(model)
+    del model
+    gc.collect()
     return lp
 
 
@@ -164,9 +161,7 @@ def verify_output(fmt: str, ctx: ConvertContext, out_dir: Path) -> dict:
             reference, ref = "formula", _formula_reference(ctx, probes)
         else:
             reference, ref = "peft", _peft_reference(ctx, probes)
-        model = _load(out_dir)
-        got = _logprobs(model, probes)
-        _free(model)
+        got = _logprobs(_load(out_dir), probes)
     elif fmt == "lora-adapter":
         dtype = "F32"
         if has_experts:
@@ -179,7 +174,7 @@ def verify_output(fmt: str, ctx: ConvertContext, out_dir: Path) -> dict:
             warnings.simplefilter("ignore")
             model = PeftModel.from_pretrained(base, str(out_dir)).eval()
         got = _logprobs(model, probes)
-        _free(model, base)
+        del model, base
     else:
         return {"status": "skipped", "reason": f"no verifier for format {fmt}"}
     metrics = compare(ref, got)

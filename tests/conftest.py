@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -98,8 +97,3 @@ def write_peft_adapter(dst: Path, tensors: dict[str, torch.Tensor], r: int, alph
 def leftovers(out: Path) -> list[str]:
     """Temp or partial outputs beside ``out``."""
     return [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
-
-
-@pytest.fixture
-def copytree():
-    return shutil.copytree

@@ -67,6 +67,7 @@ def test_usage_errors(tmp_path, archive):
     assert r.returncode == EXIT_INPUT and "max_shard_size" not in r.stderr.split(":")[0]
 
 
+@pytest.mark.slow
 def test_demo(tmp_path):
     r = cli("demo", "--dir", tmp_path / "demo")
     assert r.returncode == 0, r.stdout + r.stderr

@@ -270,6 +270,7 @@ def test_verification_catches_a_wrong_merge(tmp_path, model_dir, monkeypatch):
     assert not (tmp_path / "out").exists() and leftovers(tmp_path / "out") == []
 
 
+@pytest.mark.slow
 def test_verification_passes_on_every_dense_arch(tmp_path, model_dir):
     for arch in DENSE:
         base = model_dir(arch)

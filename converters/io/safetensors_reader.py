@@ -173,6 +173,13 @@ class SafetensorsFile:
             raise OSError(f"short read from {self.path.name}: the file changed or was truncated while converting")
         return view.view(r1 - r0, info.cols)
 
+    def rows_copy(self, name: str, r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows r0:r1 copied out as ``dtype``; their mapped pages are released after."""
+        info = self.tensors[name]
+        out = self.rows(name, r0, r1).to(dtype, copy=True)
+        self.release(info.start + r0 * info.row_bytes, info.start + r1 * info.row_bytes)
+        return out
+
     def tensor(self, name: str) -> torch.Tensor:
         """A full tensor, copied out of the mapping (for small tensors such as adapters)."""
         info = self.tensors[name]
