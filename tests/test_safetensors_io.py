@@ -56,3 +56,23 @@ def test_reader_rows_and_release(tmp_path):
         assert torch.equal(f.tensor("t"), t)  # pages come back from the file after release
         assert torch.equal(f.tensor("n"), torch.ones(3))
 
+
+
+def test_writer_surfaces_disk_errors_without_hanging(tmp_path):
+    """A failing write is reported to the producer; queued callbacks still run."""
+    w = SafetensorsWriter(tmp_path / "x.safetensors", [("a", "U8", (64 << 20,))])
+    real = w._f
+
+    def broken(data):
+        raise OSError(28, "No space left on device")
+
+    w._f = type("Broken", (), {"write": staticmethod(broken), "flush": lambda self: None, "close": lambda self: None, "fileno": lambda self: -1})()
+    returned = []
+    chunk = bytes(1 << 20)
+    with pytest.raises(OSError):
+        for _ in range(64):
+            w.write(chunk, done=lambda: returned.append(1))
+        w.close()
+    w.abort()
+    real.close()
+    assert returned, "done callbacks run even after the error"

@@ -80,13 +80,16 @@ class SafetensorsWriter:
         self._skip_empty()
 
     def _drain(self) -> None:
+        # Never dies early: an error is recorded for the producer, and every
+        # item's ``done`` still runs, so a producer waiting on the queue or on a
+        # buffer handed back through ``done`` can never hang.
         while True:
             item = self._queue.get()
             if item is _STOP:
                 return
             data, done = item
-            if self._error is None:
-                try:
+            try:
+                if self._error is None:
                     self._f.write(data)
                     self._hash.update(data)
                     self._written += len(data)
@@ -94,10 +97,15 @@ class SafetensorsWriter:
                         self._f.flush()
                         _SYNC_FILE_RANGE(self._f.fileno(), self._synced, self._written - self._synced, _SYNC_FILE_RANGE_WRITE)
                         self._synced = self._written
-                except BaseException as exc:  # surfaced to the producer on its next call
-                    self._error = exc
-            if done is not None:
-                done()
+            except BaseException as exc:
+                self._error = exc
+            finally:
+                del data
+                if done is not None:
+                    try:
+                        done()
+                    except BaseException as exc:
+                        self._error = self._error or exc
 
     def _put(self, data, done: Callable[[], None] | None) -> None:
         if self._error is not None:
