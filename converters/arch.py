@@ -63,6 +63,85 @@ class MoeLayout:
         return layer not in dense and (layer + 1) % step == 0
 
 
+# --- GGUF ---------------------------------------------------------------------------------
+# HF tensor names -> GGUF names (llama.cpp's). Layer tensors are "model.layers.{i}.<key>"
+# and become "blk.{i}.<value>". Tensors matching GGUF_DROPPED are not model weights.
+GGUF_GLOBAL_NAMES: dict[str, str] = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+GGUF_LAYER_NAMES: dict[str, str] = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+}
+GGUF_DROPPED = ("rotary_emb.inv_freq",)
+# Stacked expert tensors [E, out, in]: HF expert projection -> GGUF name in a layer.
+GGUF_EXPERT_NAMES: dict[str, str] = {"gate_proj": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight", "down_proj": "ffn_down_exps.weight"}
+# Tensors llama.cpp (convert_hf_to_gguf) always stores as F32, besides 1-D ones.
+GGUF_F32_SUFFIXES = ("_norm.weight", "ffn_gate_inp.weight", "rope_freqs.weight")
+
+
+@dataclass(frozen=True)
+class HParam:
+    """One GGUF hyperparameter: key suffix after "{arch}.", config keys tried in order, type."""
+
+    key: str
+    config: tuple[str, ...]
+    type: str  # u32 | f32
+    required: bool = True
+
+
+_COMMON_HPARAMS = (
+    HParam("context_length", ("max_position_embeddings",), "u32"),
+    HParam("embedding_length", ("hidden_size",), "u32"),
+    HParam("block_count", ("num_hidden_layers",), "u32"),
+    HParam("feed_forward_length", ("intermediate_size",), "u32"),
+    HParam("attention.head_count", ("num_attention_heads",), "u32"),
+    HParam("attention.head_count_kv", ("num_key_value_heads", "num_attention_heads"), "u32"),
+    HParam("rope.freq_base", ("rope_parameters.rope_theta", "rope_theta"), "f32"),
+    HParam("attention.layer_norm_rms_epsilon", ("rms_norm_eps",), "f32"),
+    HParam("attention.key_length", ("head_dim",), "u32", required=False),
+    HParam("attention.value_length", ("head_dim",), "u32", required=False),
+)
+
+
+@dataclass(frozen=True)
+class GgufSpec:
+    arch: str  # llama.cpp architecture name
+    hparams: tuple[HParam, ...] = _COMMON_HPARAMS
+    # llama-style rotary embedding: GGUF stores q/k rows of each head interleaved
+    # (convert_hf_to_gguf's permute), NEOX-style families do not.
+    permute_qk: bool = False
+    # rope scaling types this family can export, and how (None = nothing to write)
+    rope_scaling: tuple[str, ...] = ("default",)
+    vocab_size_key: bool = False  # llama writes {arch}.vocab_size and rope.dimension_count
+
+
+_LLAMA_GGUF = GgufSpec("llama", permute_qk=True, rope_scaling=("default", "llama3"), vocab_size_key=True)
+_QWEN3MOE_GGUF = GgufSpec(
+    "qwen3moe",
+    hparams=_COMMON_HPARAMS + (
+        HParam("expert_count", ("num_experts", "num_local_experts"), "u32"),
+        HParam("expert_used_count", ("num_experts_per_tok",), "u32"),
+        HParam("expert_feed_forward_length", ("moe_intermediate_size",), "u32"),
+    ),
+)
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -75,6 +154,7 @@ class Family:
     tie_key: str = "tie_word_embeddings"
     tie_default: bool = False  # transformers' default when config omits the key
     moe: MoeLayout | None = None
+    gguf: GgufSpec | None = None
 
 
 QWEN3_MOE_LAYOUT = MoeLayout(
@@ -91,11 +171,12 @@ QWEN3_MOE_LAYOUT = MoeLayout(
 )
 
 FAMILIES: tuple[Family, ...] = (
-    Family("llama", ("llama",), ("LlamaForCausalLM",)),
-    Family("mistral", ("mistral",), ("MistralForCausalLM",)),
-    Family("qwen2", ("qwen2",), ("Qwen2ForCausalLM",)),
-    Family("qwen3", ("qwen3",), ("Qwen3ForCausalLM",)),
-    Family("qwen3moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",), moe=QWEN3_MOE_LAYOUT),
+    Family("llama", ("llama",), ("LlamaForCausalLM",), gguf=_LLAMA_GGUF),
+    # llama.cpp runs Mistral (without sliding window) as the llama architecture
+    Family("mistral", ("mistral",), ("MistralForCausalLM",), gguf=_LLAMA_GGUF),
+    Family("qwen2", ("qwen2",), ("Qwen2ForCausalLM",), gguf=GgufSpec("qwen2")),
+    Family("qwen3", ("qwen3",), ("Qwen3ForCausalLM",), gguf=GgufSpec("qwen3")),
+    Family("qwen3moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",), moe=QWEN3_MOE_LAYOUT, gguf=_QWEN3MOE_GGUF),
 )
 
 
@@ -113,6 +194,26 @@ def family_for(config: dict) -> Family:
         E.UNSUPPORTED_ARCHITECTURE,
         f"architecture {model_type or archs or 'unknown'!s} is not supported; supported families: {', '.join(supported())}.",
     )
+
+
+def config_value(config: dict, dotted: str):
+    """config["a"]["b"] for "a.b"; None when absent."""
+    cur = config
+    for part in dotted.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return None
+        cur = cur[part]
+    return cur
+
+
+def rope_parameters(config: dict) -> dict:
+    """Rope settings across transformers versions (rope_parameters in 5.x, rope_scaling before)."""
+    params = dict(config.get("rope_scaling") or {})
+    params.update(config.get("rope_parameters") or {})
+    if "rope_theta" not in params and "rope_theta" in config:
+        params["rope_theta"] = config["rope_theta"]
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
 
 
 def is_tied(fam: Family, config: dict) -> bool:

@@ -20,10 +20,13 @@ from pathlib import Path
 
 import torch
 
-from .io.dtypes import to_torch
+from . import ggml
+from .io.dtypes import SAFETENSORS_DTYPES, to_torch
+from .io.gguf_file import ALIGNMENT, gguf_header
 from .io.safetensors_reader import SafetensorsFile
-from .io.safetensors_writer import SafetensorsWriter
-from .plan import Plan, TensorPlan
+from .io.stream_writer import SafetensorsWriter, StreamWriter
+from .transforms import TRANSFORMS
+from .plan import FilePlan, Plan, TensorPlan
 from .progress import ProgressEvent, ProgressFn, silent
 
 BLOCK_BYTES = 16 << 20  # fp32 working set of one row block
@@ -61,7 +64,7 @@ def _copy_verbatim(t: TensorPlan, r: SafetensorsFile, w: SafetensorsWriter, rep:
 
 
 class _Buffers:
-    """Fixed working memory for the merge loop: nothing is allocated per block.
+    """Fixed working memory for the block loop: nothing is allocated per block.
 
     ``src`` and ``acc`` are used by the compute thread only; ``out`` buffers go
     to the writer thread and come back through the write's ``done`` callback,
@@ -69,6 +72,7 @@ class _Buffers:
     """
 
     def __init__(self, nbytes: int = BLOCK_BYTES, out_buffers: int = 6):
+        self.nbytes = nbytes
         self.src = torch.empty(nbytes, dtype=torch.uint8)
         self.acc = torch.empty(nbytes // 4, dtype=torch.float32)
         self._free: queue.SimpleQueue = queue.SimpleQueue()
@@ -82,35 +86,61 @@ class _Buffers:
         self._free.put(t)
 
 
-def _merge_blocks(t: TensorPlan, readers: dict[str, SafetensorsFile], w: SafetensorsWriter, rep: _Reporter, bufs: _Buffers) -> None:
-    src = t.source
-    r = readers[src.file]
-    src_dtype, out_dtype = to_torch(src.dtype), to_torch(t.dtype)
+def _encode(x: torch.Tensor, dtype: str, out: torch.Tensor) -> torch.Tensor:
+    """Write fp32 rows ``x`` as ``dtype`` into ``out``; returns the bytes written (a view)."""
+    if dtype in SAFETENSORS_DTYPES:
+        y = out.view(to_torch(dtype))[: x.numel()].view(x.shape)
+        y.copy_(x)  # the single rounding to the output dtype
+        return y.view(-1).view(torch.uint8)
+    n = ggml.quantize_rows(dtype, x.numpy(), out.numpy())
+    return out[:n]
+
+
+def _block_rows(t: TensorPlan, cols: int) -> int:
+    rows = max(1, BLOCK_BYTES // max(1, cols * 4))
+    if t.transform is not None:  # whole heads per block
+        unit = t.transform.unit(sum(s.rows for s in t.sources))
+        rows = max(unit, rows // unit * unit)
+    return rows
+
+
+def _stream_blocks(t: TensorPlan, readers: dict[str, SafetensorsFile], w: StreamWriter, rep: _Reporter, bufs: _Buffers) -> None:
+    """Merge, round, transform and encode one tensor block by block, in output row order."""
     ops = [
         (op, readers[op.a.file].rows_copy(op.a.tensor, op.a.r0, op.a.r1, torch.float32),
          readers[op.b.file].rows_copy(op.b.tensor, op.b.r0, op.b.r1, torch.float32))
         for op in t.ops
     ]
-    cols = src.cols
-    block = max(1, BLOCK_BYTES // max(1, cols * 4))
-    if block * cols * 4 > BLOCK_BYTES:  # one row wider than a block: size the buffers for it
+    cols = t.source.cols
+    block = _block_rows(t, cols)
+    if block * cols * 4 > bufs.nbytes:  # one block wider than the pool: size the buffers for it
         bufs = _Buffers(block * cols * 4, out_buffers=2)
-    src_view = bufs.src.view(src_dtype)
-    for r0 in range(0, src.rows, block):
-        r1 = min(src.rows, r0 + block)
-        n = (r1 - r0) * cols
-        x = bufs.acc[:n].view(r1 - r0, cols)
-        x.copy_(r.read_rows(src.tensor, src.r0 + r0, src.r0 + r1, src_view))
-        for op, a, b in ops:
-            lo, hi = max(r0, op.row_offset), min(r1, op.row_offset + b.shape[0])
-            if lo < hi:
-                # fp32 accumulate: x += scale * B[rows] @ A
-                x[lo - r0 : hi - r0].addmm_(b[lo - op.row_offset : hi - op.row_offset], a, alpha=op.scale)
-        out = bufs.take()
-        y = out.view(out_dtype)[:n].view(r1 - r0, cols)
-        y.copy_(x)  # the single rounding to the output dtype
-        w.write(y.view(torch.uint8).numpy(), done=lambda o=out: bufs.give(o))
-        rep.add(n * y.element_size())
+    round_to = to_torch(t.round_to) if t.round_to and t.round_to != "F32" else None
+    transform = TRANSFORMS[t.transform.kind] if t.transform else None
+    unit = t.transform.unit(sum(s.rows for s in t.sources)) if t.transform else 0
+    out_row = 0
+    for src in t.sources:
+        r = readers[src.file]
+        src_view = bufs.src.view(to_torch(src.dtype))
+        for r0 in range(0, src.rows, block):
+            r1 = min(src.rows, r0 + block)
+            lo_out, n = out_row + r0, (r1 - r0) * cols
+            x = bufs.acc[:n].view(r1 - r0, cols)
+            x.copy_(r.read_rows(src.tensor, src.r0 + r0, src.r0 + r1, src_view))
+            for op, a, b in ops:
+                lo, hi = max(lo_out, op.row_offset), min(lo_out + r1 - r0, op.row_offset + b.shape[0])
+                if lo < hi:
+                    # fp32 accumulate: x += scale * B[rows] @ A
+                    x[lo - lo_out : hi - lo_out].addmm_(b[lo - op.row_offset : hi - op.row_offset], a, alpha=op.scale)
+            if round_to is not None:
+                x.copy_(x.to(round_to))
+            if transform is not None:
+                x = transform(x, unit).contiguous()
+            out = bufs.take()
+            data = _encode(x, t.dtype, out)
+            w.write(data.numpy(), done=lambda o=out: bufs.give(o))
+            rep.add(data.numel())
+        out_row += src.rows
 
 
 def _copy_file(src: Path, dst: Path, name: str, rep: _Reporter) -> FileRecord:
@@ -146,13 +176,16 @@ def _execute(plan: Plan, out_dir: Path, readers: dict[str, SafetensorsFile], rep
         for fp in plan.files:
             path = out_dir / fp.name
             path.parent.mkdir(parents=True, exist_ok=True)
-            w = SafetensorsWriter(path, [(t.name, t.dtype, t.shape) for t in fp.tensors], fp.metadata, durable=durable)
+            w = _open_writer(fp, path, durable)
             try:
                 for t in fp.tensors:
-                    if t.verbatim:
+                    if t.data is not None:
+                        w.write(t.data)
+                        rep.add(len(t.data))
+                    elif t.verbatim:
                         _copy_verbatim(t, readers[t.source.file], w, rep)
                     else:
-                        _merge_blocks(t, readers, w, rep, bufs)
+                        _stream_blocks(t, readers, w, rep, bufs)
                 sha = w.close()
             except BaseException:
                 w.abort()
@@ -171,6 +204,14 @@ def _execute(plan: Plan, out_dir: Path, readers: dict[str, SafetensorsFile], rep
         records[name] = _copy_file(src, path, name, rep)
     rep.add(0, force=True)
     return records
+
+
+def _open_writer(fp: FilePlan, path: Path, durable: bool) -> StreamWriter:
+    entries = [(t.name, t.dtype, t.shape) for t in fp.tensors]
+    if fp.kind == "gguf":
+        header, sizes = gguf_header(fp.kvs or [], entries)
+        return StreamWriter(path, header, sizes, align=ALIGNMENT, durable=durable)
+    return SafetensorsWriter(path, entries, fp.metadata, durable=durable)
 
 
 def fsync_dir(path: Path) -> None:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from . import errors as E
 from .errors import InputError
-from .io.dtypes import itemsize
+from .io.dtypes import SAFETENSORS_DTYPES, itemsize
+from .io.gguf_file import tensor_nbytes
 
 
 @dataclass(frozen=True)
@@ -46,28 +47,50 @@ class LoraOp:
 
 
 @dataclass(frozen=True)
+class Transform:
+    """A row transform applied after merging; blocks hold whole groups of ``unit`` rows."""
+
+    kind: str  # "permute_qk": llama-style rotary rows of each head interleaved (GGUF layout)
+    groups: int  # heads
+
+    def unit(self, rows: int) -> int:
+        return rows // self.groups
+
+
+@dataclass(frozen=True)
 class TensorPlan:
     name: str
-    dtype: str  # output dtype
+    dtype: str  # output type: a safetensors dtype (BF16 …) or a ggml type (Q4_K …)
     shape: tuple[int, ...]
-    source: Source
+    sources: tuple[Source, ...]  # concatenated along rows (several for stacked experts)
     ops: tuple[LoraOp, ...] = ()
+    round_to: str | None = None  # round merged values to this dtype first: the merged model's
+    transform: Transform | None = None
+    data: bytes | None = None  # a generated tensor, already encoded (e.g. rope factors)
+
+    @property
+    def source(self) -> Source:
+        return self.sources[0]
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * itemsize(self.dtype)
+        if self.dtype in SAFETENSORS_DTYPES:
+            return math.prod(self.shape) * itemsize(self.dtype)
+        return tensor_nbytes(self.dtype, self.shape)
 
     @property
     def verbatim(self) -> bool:
-        """Copied byte-for-byte: no LoRA op and no dtype change."""
-        return not self.ops and self.dtype == self.source.dtype
+        """Copied byte-for-byte: one source, no LoRA op, no transform, no type change."""
+        return self.data is None and len(self.sources) == 1 and not self.ops and self.transform is None and self.dtype == self.source.dtype
 
 
 @dataclass
 class FilePlan:
     name: str  # relative path in the output
     tensors: list[TensorPlan]
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] | None = None  # safetensors __metadata__
+    kind: str = "safetensors"  # or "gguf"
+    kvs: list | None = None  # GGUF metadata (converters.io.gguf_file.KV)
 
     @property
     def nbytes(self) -> int:
@@ -94,7 +117,7 @@ class Plan:
         used = set()
         for f in self.files:
             for t in f.tensors:
-                used.add((t.source.file, t.source.tensor))
+                used.update((src.file, src.tensor) for src in t.sources)
                 for op in t.ops:
                     used.add((op.a.file, op.a.tensor))
                     used.add((op.b.file, op.b.tensor))
@@ -124,8 +147,13 @@ class Plan:
                 names.add(t.name)
                 rows = math.prod(t.shape[:-1]) if len(t.shape) > 1 else 1
                 cols = t.shape[-1] if t.shape else 1
-                if t.source.rows * t.source.cols != math.prod(t.shape) or (t.ops and (t.source.rows != rows or t.source.cols != cols)):
-                    raise InputError(E.ADAPTER_SHAPE_MISMATCH, f"{t.name}: source {t.source.tensor} rows {t.source.r0}:{t.source.r1} do not fill shape {list(t.shape)}.")
+                if t.data is not None:
+                    continue
+                src_rows = sum(src.rows for src in t.sources)
+                if src_rows * t.source.cols != math.prod(t.shape) or ((t.ops or t.transform or len(t.sources) > 1) and (src_rows != rows or any(src.cols != cols for src in t.sources))):
+                    raise InputError(E.ADAPTER_SHAPE_MISMATCH, f"{t.name}: sources {', '.join(f'{s.tensor}[{s.r0}:{s.r1}]' for s in t.sources)} do not fill shape {list(t.shape)}.")
+                if t.transform is not None and rows % t.transform.groups:
+                    raise InputError(E.BASE_INVALID, f"{t.name}: {rows} rows do not split into {t.transform.groups} heads; config.json disagrees with the weights.")
                 for op in t.ops:
                     if op.a.cols != cols:
                         raise InputError(E.ADAPTER_SHAPE_MISMATCH, f"adapter module {op.module}: lora_A has {op.a.cols} input features but {t.name} has {cols}; the adapter was trained on a different base model.")

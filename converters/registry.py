@@ -21,6 +21,7 @@ GROUP = "nucleus_export.converters"
 _BUILTIN = {
     "merged-safetensors": "converters.formats.merged_safetensors:MergedSafetensors",
     "lora-adapter": "converters.formats.lora_adapter:LoraAdapter",
+    "gguf": "converters.formats.gguf:Gguf",
 }
 
 

@@ -86,7 +86,7 @@ def build(workdir: Path, size: str) -> tuple[Path, Path, Path, int]:
     from transformers import LlamaConfig
 
     from converters import samples
-    from converters.io.safetensors_writer import SafetensorsWriter
+    from converters.io.stream_writer import SafetensorsWriter
 
     cfg = dict(SIZES[size], max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False, dtype="bfloat16")
     base = workdir / "base"

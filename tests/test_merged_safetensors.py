@@ -224,7 +224,7 @@ def test_failure_midway_leaves_nothing(tmp_path, model_dir, monkeypatch):
 
     base = model_dir("qwen3")
     calls = {"n": 0}
-    real = ex._merge_blocks
+    real = ex._stream_blocks
 
     def flaky(*a, **k):
         calls["n"] += 1
@@ -232,7 +232,7 @@ def test_failure_midway_leaves_nothing(tmp_path, model_dir, monkeypatch):
             raise OSError(5, "simulated I/O error")
         return real(*a, **k)
 
-    monkeypatch.setattr(ex, "_merge_blocks", flaky)
+    monkeypatch.setattr(ex, "_stream_blocks", flaky)
     with pytest.raises(OSError):
         export(tmp_path, base, samples.make_adapter_tensors(base, rank=8))
     assert not (tmp_path / "out").exists() and leftovers(tmp_path / "out") == []

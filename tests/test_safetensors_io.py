@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from converters.io.dtypes import from_torch
 from converters.io.safetensors_reader import SafetensorsFile
-from converters.io.safetensors_writer import SafetensorsWriter
+from converters.io.stream_writer import SafetensorsWriter
 
 
 def test_writer_output_loads_with_safetensors(tmp_path):

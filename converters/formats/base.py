@@ -31,6 +31,10 @@ class ConvertOptions:
     base_revision: str | None = None
     offline: bool | None = None
     limits: ArchiveLimits = field(default_factory=ArchiveLimits)
+    # GGUF
+    quant: str = "f16"
+    split_max_size: int | None = None
+    allow_unknown_pretokenizer: bool = False
 
     def __post_init__(self) -> None:
         # Accept the user-facing spellings (bf16, float16, …) from Python callers too.

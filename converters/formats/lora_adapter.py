@@ -55,7 +55,7 @@ class LoraAdapter(Converter):
             for ab, info in (("A", m.a), ("B", m.b)):
                 src = matrix(path, info, e)
                 dtype = ctx.options.dtype or src.dtype
-                tensors.append(TensorPlan(f"base_model.model.{peft_name}.lora_{ab}.weight", dtype, (src.rows, src.cols), src))
+                tensors.append(TensorPlan(f"base_model.model.{peft_name}.lora_{ab}.weight", dtype, (src.rows, src.cols), (src,)))
         plan = Plan(self.name, files=shard(tensors, 1 << 62, stem="adapter_model"))
         plan.generated["adapter_config.json"] = (json.dumps(self.adapter_config(ctx, modules), indent=2) + "\n").encode()
         for p in ctx.base.aux_files():

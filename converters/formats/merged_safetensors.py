@@ -38,13 +38,13 @@ class MergedSafetensors(Converter):
         tensors = []
         for name, (fname, info) in ordered:
             src = Source(str(base.path / fname), name, info.dtype, 0, info.rows, info.cols)
-            tensors.append(TensorPlan(name, out_dtype(info.dtype), info.shape, src, tuple(ops.get(name, ()))))
+            tensors.append(TensorPlan(name, out_dtype(info.dtype), info.shape, (src,), tuple(ops.get(name, ()))))
         config_changes = {}
         if fam.lm_head in ops and fam.lm_head not in base.tensors:
             # Tied model with a trained head: the head starts as a copy of the embedding.
             fname, emb = base.tensors[fam.embed]
             src = Source(str(base.path / fname), fam.embed, emb.dtype, 0, emb.rows, emb.cols)
-            tensors.append(TensorPlan(fam.lm_head, out_dtype(emb.dtype), emb.shape, src, tuple(ops[fam.lm_head])))
+            tensors.append(TensorPlan(fam.lm_head, out_dtype(emb.dtype), emb.shape, (src,), tuple(ops[fam.lm_head])))
             config_changes[fam.tie_key] = False
         elif fam.lm_head in ops and base.tied:
             config_changes[fam.tie_key] = False

@@ -1,8 +1,10 @@
-"""Header-first streaming safetensors writer.
+"""Header-first streaming writer for tensor files (safetensors, GGUF).
 
-The plan knows every tensor's name, dtype and shape before any data exists, so
+The plan knows every tensor's name, type and shape before any data exists, so
 the header (with final offsets) is written first and tensor bytes are streamed
 after it in plan order. Nothing larger than a few row blocks is ever held.
+Formats differ only in their header and in the alignment of tensor data
+(GGUF pads every tensor to its alignment; safetensors packs them).
 
 Writing and hashing run on a background thread (both release the GIL), so the
 disk and sha256 work overlaps the merge arithmetic of the next block. (A
@@ -46,35 +48,28 @@ _SYNC_FILE_RANGE = _sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-class SafetensorsWriter:
-    def __init__(self, path: str | os.PathLike, entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None, *, durable: bool = True):
-        """``durable``: fsync on close, and start writeback while writing so that
+class StreamWriter:
+    def __init__(self, path: str | os.PathLike, header: bytes, sizes: list[tuple[str, int]], *, align: int = 1, durable: bool = True):
+        """``header`` is written first; then each tensor's ``sizes`` bytes, each
+        followed by zero padding to ``align`` (the header must already end aligned).
+
+        ``durable``: fsync on close, and start writeback while writing so that
         fsync has little left to do (the disk works while we compute)."""
         self.path = Path(path)
         self.durable = durable
         self._written = 0
         self._synced = 0
-        header: dict = {}
-        if metadata:
-            header["__metadata__"] = metadata
-        offset = 0
-        self._sizes: list[tuple[str, int]] = []
-        for name, dtype, shape in entries:
-            n = math.prod(shape) * itemsize(dtype)
-            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
-            self._sizes.append((name, n))
-            offset += n
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # data section starts 8-byte aligned
-        self.data_bytes = offset
-        self.total_bytes = 8 + len(raw) + offset
+        self._align = align
+        self._sizes = list(sizes)
+        self.data_bytes = sum(n + (-n % align) for _, n in self._sizes)
+        self.total_bytes = len(header) + self.data_bytes
         self._f = open(self.path, "xb")
         self._hash = hashlib.sha256()
         self._queue: queue.Queue = queue.Queue(maxsize=_QUEUE_BLOCKS)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._drain, name=f"write-{self.path.name}", daemon=True)
         self._thread.start()
-        self._put(len(raw).to_bytes(8, "little") + raw, None)
+        self._put(header, None)
         self._index = 0
         self._left = self._sizes[0][1] if self._sizes else 0
         self._skip_empty()
@@ -113,7 +108,11 @@ class SafetensorsWriter:
         self._queue.put((data, done))
 
     def _skip_empty(self) -> None:
+        # Called when the current tensor may be complete: pad it, move on.
         while self._left == 0 and self._index < len(self._sizes):
+            pad = -self._sizes[self._index][1] % self._align
+            if pad:
+                self._put(bytes(pad), None)
             self._index += 1
             if self._index < len(self._sizes):
                 self._left = self._sizes[self._index][1]
@@ -163,3 +162,25 @@ class SafetensorsWriter:
     def abort(self) -> None:
         self._finish_thread()
         self._f.close()
+
+
+def safetensors_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None) -> tuple[bytes, list[tuple[str, int]]]:
+    """The safetensors header for tensors written in this order, and their byte sizes."""
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    offset = 0
+    sizes = []
+    for name, dtype, shape in entries:
+        n = math.prod(shape) * itemsize(dtype)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        sizes.append((name, n))
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data section starts 8-byte aligned
+    return len(raw).to_bytes(8, "little") + raw, sizes
+
+
+def SafetensorsWriter(path: str | os.PathLike, entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None, *, durable: bool = True) -> StreamWriter:
+    header, sizes = safetensors_header(entries, metadata)
+    return StreamWriter(path, header, sizes, durable=durable)
