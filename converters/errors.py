@@ -89,6 +89,7 @@ UNSUPPORTED_ARCHITECTURE = _code("unsupported_architecture", "input", "the base 
 UNKNOWN_FORMAT = _code("unknown_format", "input", "no converter is registered for the requested format")
 INVALID_OPTION = _code("invalid_option", "input", "an option value is not valid")
 OUTPUT_EXISTS = _code("output_exists", "input", "the output path already exists")
+UNKNOWN_PRETOKENIZER = _code("unknown_pretokenizer", "input", "llama.cpp does not know the tokenizer's pre-tokenizer")
 PLAN_INCOMPLETE = _code("plan_incomplete", "input", "the conversion plan does not account for every tensor")
 # runtime
 VERIFY_FAILED = _code("verify_failed", "internal", "the exported model's outputs differ from the reference")

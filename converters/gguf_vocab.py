@@ -104,7 +104,7 @@ def _bpe(model_dir: Path, vocab_size: int, allow_unknown_pre: bool) -> Vocab:
     pre = PRE_TOKENIZERS.get(chkhsh)
     if pre is None:
         if not allow_unknown_pre:
-            raise InputError(E.INVALID_OPTION, f"the tokenizer's pre-tokenizer is not one llama.cpp knows (check hash {chkhsh[:16]}…), so llama.cpp would split text differently; pass --allow-unknown-pretokenizer to export it as 'default' anyway.", field="tokenizer")
+            raise InputError(E.UNKNOWN_PRETOKENIZER, f"the tokenizer's pre-tokenizer is not one llama.cpp knows (check hash {chkhsh[:16]}…), so llama.cpp would split text differently; pass --allow-unknown-pretokenizer to export it as 'default' anyway.", field="tokenizer")
         pre = "default"
     vocab = tok.get_vocab()
     reverse = {i: t for t, i in vocab.items()}

@@ -39,6 +39,10 @@ MAX_PROBE_TOKENS = 48
 # fp32 deltas), and a floor on top-1 agreement.
 TOLERANCE = {"F32": 2e-3, "F16": 0.05, "BF16": 0.3}
 MIN_TOP1 = {"F32": 1.0, "F16": 0.95, "BF16": 0.9}
+# Quantized GGUF: a sanity bound that catches layout and metadata bugs (which
+# give near-random outputs), not a fidelity claim; fidelity is llama.cpp's own.
+QUANT_TOLERANCE = {"q8_0": (1.0, 0.8), "q6_k": (1.5, 0.7), "q5_k_m": (2.0, 0.6), "q5_k_s": (2.0, 0.6), "q5_0": (2.0, 0.6),
+                   "q4_k_m": (3.0, 0.4), "q4_k_s": (3.0, 0.4), "q4_0": (3.0, 0.4), "q3_k_m": (4.0, 0.3)}
 
 
 def _probes(base_path: Path, vocab: int) -> list[list[int]]:
@@ -138,6 +142,23 @@ def _formula_reference(ctx: ConvertContext, probes) -> list[torch.Tensor]:
     return lp
 
 
+def _gguf_logprobs(out_dir: Path, probes) -> list[torch.Tensor]:
+    from llama_cpp import Llama
+
+    first = sorted(p for p in Path(out_dir).glob("*.gguf"))[0]
+    # f32 KV cache: the comparison measures the weights, not llama.cpp's f16 cache
+    llm = Llama(model_path=str(first), logits_all=True, n_ctx=max(len(p) for p in probes) + 8, verbose=False, type_k=0, type_v=0)
+    out = []
+    try:
+        for ids in probes:
+            llm.reset()
+            llm.eval(ids)
+            out.append(torch.log_softmax(torch.tensor(llm.scores[: len(ids)]).float(), -1))
+    finally:
+        llm.close()
+    return out
+
+
 def compare(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict:
     max_abs = 0.0
     kl_sum, n, agree = 0.0, 0, 0
@@ -175,9 +196,14 @@ def verify_output(fmt: str, ctx: ConvertContext, out_dir: Path) -> dict:
             model = PeftModel.from_pretrained(base, str(out_dir)).eval()
         got = _logprobs(model, probes)
         del model, base
+    elif fmt == "gguf":
+        quant = ctx.options.quant.lower()
+        dtype = {"f32": ctx.base.dtype if ctx.adapter else "F32", "f16": "F16", "bf16": "BF16"}.get(quant, quant)
+        reference, ref = ("formula", _formula_reference(ctx, probes)) if ctx.adapter else ("base", _logprobs(_load(ctx.base.path), probes))
+        got = _gguf_logprobs(out_dir, probes)
     else:
         return {"status": "skipped", "reason": f"no verifier for format {fmt}"}
     metrics = compare(ref, got)
-    tol, min_top1 = TOLERANCE.get(dtype, 0.3), MIN_TOP1.get(dtype, 0.9)
+    tol, min_top1 = QUANT_TOLERANCE.get(dtype) or (TOLERANCE.get(dtype, 0.3), MIN_TOP1.get(dtype, 0.9))
     ok = metrics["max_abs_logprob_diff"] <= tol and metrics["top1_agreement"] >= min_top1
     return {"status": "passed" if ok else "failed", "reference": reference, "weights_dtype": dtype, "tolerance": {"max_abs_logprob_diff": tol, "min_top1_agreement": min_top1}, **metrics}

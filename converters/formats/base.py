@@ -44,6 +44,9 @@ class ConvertOptions:
             if canonical is None:
                 raise InputError(E.INVALID_OPTION, f"dtype {self.dtype!r} is not valid; use bf16, fp16 or fp32.", field="dtype")
             object.__setattr__(self, "dtype", canonical)
+        from ..gguf_quant import quant_type
+
+        object.__setattr__(self, "quant", quant_type(self.quant).name)
         if self.max_shard_size <= 0:
             raise InputError(E.INVALID_OPTION, "max_shard_size must be positive.", field="max_shard_size")
 

@@ -15,6 +15,7 @@ import re
 from collections import defaultdict
 
 import numpy as np
+from gguf import GGUFValueType
 
 from .. import errors as E
 from .. import gguf_vocab
@@ -202,7 +203,8 @@ class Gguf(Converter):
         n = len(groups)
         files = []
         for i, g in enumerate(groups):
-            split = [kv_u32("split.no", i), kv_u32("split.count", n), KV("split.tensors.count", __import__("gguf").GGUFValueType.INT32, len(tensors))]
+            # the types llama.cpp's split loader expects (gguf-split's)
+            split = [KV("split.no", GGUFValueType.UINT16, i), KV("split.count", GGUFValueType.UINT16, n), KV("split.tensors.count", GGUFValueType.INT32, len(tensors))]
             # llama.cpp reads the model's metadata from the first split only
             files.append(FilePlan(f"{stem}-{i + 1:05d}-of-{n:05d}.gguf", g, kind="gguf", kvs=(kvs + split) if i == 0 else split))
         return files

@@ -24,6 +24,9 @@ def register(sub) -> None:
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--verify", dest="verify", action="store_true", default=None, help="compare outputs with the reference (default: on below ~2B parameters)")
     p.add_argument("--no-verify", dest="verify", action="store_false")
+    p.add_argument("--quant", default="f16", help="gguf: f32, f16, bf16, q8_0, q4_0, q5_0, q3_k_m, q4_k_s, q4_k_m, q5_k_s, q5_k_m, q6_k (default f16)")
+    p.add_argument("--split-max-size", help="gguf: split files larger than this (e.g. 4GB) into -0000N-of-0000M.gguf parts")
+    p.add_argument("--allow-unknown-pretokenizer", action="store_true", help="gguf: export a BPE tokenizer llama.cpp does not recognise, as 'default'")
     p.add_argument("--progress", choices=["auto", "bar", "json", "none"], default="auto", help="bar on a terminal, JSON lines otherwise (auto)")
     p.add_argument("--model-store", help="directory holding base models as org/name/ folders")
     p.add_argument("--base-revision", help="Hub revision of the base model")
@@ -45,6 +48,9 @@ def run(args) -> int:
         force_base=args.force_base,
         overwrite=args.overwrite,
         durable=args.durable,
+        quant=args.quant,
+        split_max_size=parse_size(args.split_max_size) if args.split_max_size else None,
+        allow_unknown_pretokenizer=args.allow_unknown_pretokenizer,
         model_store=args.model_store or settings.model_store,
         base_revision=args.base_revision,
         offline=args.offline if args.offline is not None else settings.hf_offline,
