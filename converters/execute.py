@@ -132,6 +132,8 @@ def _stream_blocks(t: TensorPlan, readers: dict[str, SafetensorsFile], w: Stream
                 if lo < hi:
                     # fp32 accumulate: x += scale * B[rows] @ A
                     x[lo - lo_out : hi - lo_out].addmm_(b[lo - op.row_offset : hi - op.row_offset], a, alpha=op.scale)
+            if t.scale != 1.0:
+                x.mul_(t.scale)
             if round_to is not None:
                 x.copy_(x.to(round_to))
             if transform is not None:

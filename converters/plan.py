@@ -67,6 +67,7 @@ class TensorPlan:
     round_to: str | None = None  # round merged values to this dtype first: the merged model's
     transform: Transform | None = None
     data: bytes | None = None  # a generated tensor, already encoded (e.g. rope factors)
+    scale: float = 1.0  # multiply rows by this after merging (GGUF LoRA folds per-module scales into B)
 
     @property
     def source(self) -> Source:
@@ -81,7 +82,7 @@ class TensorPlan:
     @property
     def verbatim(self) -> bool:
         """Copied byte-for-byte: one source, no LoRA op, no transform, no type change."""
-        return self.data is None and len(self.sources) == 1 and not self.ops and self.transform is None and self.dtype == self.source.dtype
+        return self.data is None and len(self.sources) == 1 and not self.ops and self.transform is None and self.scale == 1.0 and self.dtype == self.source.dtype
 
 
 @dataclass

@@ -22,6 +22,7 @@ _BUILTIN = {
     "merged-safetensors": "converters.formats.merged_safetensors:MergedSafetensors",
     "lora-adapter": "converters.formats.lora_adapter:LoraAdapter",
     "gguf": "converters.formats.gguf:Gguf",
+    "gguf-lora": "converters.formats.gguf_lora:GgufLora",
 }
 
 

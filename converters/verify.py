@@ -142,12 +142,27 @@ def _formula_reference(ctx: ConvertContext, probes) -> list[torch.Tensor]:
     return lp
 
 
-def _gguf_logprobs(out_dir: Path, probes) -> list[torch.Tensor]:
+def _gguf_lora_logprobs(ctx: ConvertContext, out_dir: Path, probes) -> list[torch.Tensor]:
+    """The adapter on an f32 GGUF of the base, built in a temp dir for the check."""
+    from dataclasses import replace
+
+    from .execute import execute
+    from .formats.base import ConvertContext as Ctx
+    from .formats.gguf import Gguf
+
+    with tempfile.TemporaryDirectory(prefix="nucleus-verify-") as tmp:
+        plain = Ctx(None, None, ctx.base, replace(ctx.options, quant="f32", allow_unknown_pretokenizer=True))
+        execute(Gguf().plan(plain), Path(tmp), plain.readers(), durable=False)
+        adapter = sorted(Path(out_dir).glob("*.gguf"))[0]
+        return _gguf_logprobs(Path(tmp), probes, lora=adapter)
+
+
+def _gguf_logprobs(out_dir: Path, probes, lora: Path | None = None) -> list[torch.Tensor]:
     from llama_cpp import Llama
 
     first = sorted(p for p in Path(out_dir).glob("*.gguf"))[0]
     # f32 KV cache: the comparison measures the weights, not llama.cpp's f16 cache
-    llm = Llama(model_path=str(first), logits_all=True, n_ctx=max(len(p) for p in probes) + 8, verbose=False, type_k=0, type_v=0)
+    llm = Llama(model_path=str(first), logits_all=True, n_ctx=max(len(p) for p in probes) + 8, verbose=False, type_k=0, type_v=0, lora_path=str(lora) if lora else None)
     out = []
     try:
         for ids in probes:
@@ -157,6 +172,14 @@ def _gguf_logprobs(out_dir: Path, probes) -> list[torch.Tensor]:
     finally:
         llm.close()
     return out
+
+
+def _has_llama_cpp() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def compare(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict:
@@ -172,6 +195,8 @@ def compare(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict:
 
 def verify_output(fmt: str, ctx: ConvertContext, out_dir: Path) -> dict:
     out_dir = Path(out_dir)
+    if fmt in ("gguf", "gguf-lora") and not _has_llama_cpp():
+        return {"status": "skipped", "reason": "running a GGUF needs llama-cpp-python (pip install 'nucleus-export[gguf]')."}
     has_experts = ctx.adapter is not None and any(m.kind in ("experts", "expert") for m in ctx.adapter.modules)
     probes = _probes(ctx.base.path, int(ctx.base.config.get("vocab_size", 32000)))
     if fmt == "merged-safetensors":
@@ -201,6 +226,10 @@ def verify_output(fmt: str, ctx: ConvertContext, out_dir: Path) -> dict:
         dtype = {"f32": ctx.base.dtype if ctx.adapter else "F32", "f16": "F16", "bf16": "BF16"}.get(quant, quant)
         reference, ref = ("formula", _formula_reference(ctx, probes)) if ctx.adapter else ("base", _logprobs(_load(ctx.base.path), probes))
         got = _gguf_logprobs(out_dir, probes)
+    elif fmt == "gguf-lora":
+        dtype = {"f32": "F32", "f16": "F16", "bf16": "BF16"}[ctx.options.quant]
+        reference, ref = "formula", _formula_reference(ctx, probes)
+        got = _gguf_lora_logprobs(ctx, out_dir, probes)
     else:
         return {"status": "skipped", "reason": f"no verifier for format {fmt}"}
     metrics = compare(ref, got)

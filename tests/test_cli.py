@@ -71,7 +71,7 @@ def test_usage_errors(tmp_path, archive):
 def test_demo(tmp_path):
     r = cli("demo", "--dir", tmp_path / "demo")
     assert r.returncode == 0, r.stdout + r.stderr
-    for fmt in ("merged-safetensors", "lora-adapter"):
+    for fmt in ("merged-safetensors", "lora-adapter", "gguf", "gguf-lora"):
         assert (tmp_path / "demo" / "exports" / fmt / "nucleus-export.json").is_file()
         assert f"✓ {fmt}" in r.stdout
     assert "verification: passed" in r.stdout

@@ -57,7 +57,8 @@ def hf_logits(model, ids: list[int]) -> np.ndarray:
 
 def export(tmp_path: Path, base: Path, archive: Path | None, name: str, **opts) -> Path:
     out = tmp_path / name
-    convert(archive, str(base), "gguf" if name != "merged" else "merged-safetensors", out, ConvertOptions(**{"verify": False, **opts}))
+    fmt = "merged-safetensors" if name == "merged" else "gguf-lora" if name.startswith("lora") else "gguf"
+    convert(archive, str(base), fmt, out, ConvertOptions(**{"verify": False, **opts}))
     return out
 
 
@@ -257,3 +258,66 @@ def test_metadata(exported):
     assert md["qwen3moe.expert_feed_forward_length"] == "32"
     assert md["tokenizer.ggml.pre"] == "qwen2" and md["tokenizer.ggml.model"] == "gpt2"
     assert md["general.finetune"] == "run_demo" and md["general.base_model.count"] == "1"
+
+
+# --- gguf-lora ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain_f32(model_dir, tmp_path_factory):
+    """arch -> an f32 GGUF of the base model (no adapter)."""
+    cache = {}
+
+    def get(arch: str) -> Path:
+        if arch not in cache:
+            cache[arch] = export(tmp_path_factory.mktemp(f"plain-{arch}"), model_dir(arch), None, "base", quant="f32")
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3moe-fused"])
+def test_gguf_lora_on_base_gguf_matches_merged(exported, plain_f32, tmp_path, arch):
+    base, merged, ggufs = exported(arch)
+    archive = next(ggufs["f32"].parent.glob("a.tar"))
+    adapter = export(tmp_path, base, archive, "lora", quant="f32")
+    files = sorted(adapter.glob("*.gguf"))
+    from gguf import GGUFReader
+
+    md = {f.name: f.contents() for f in GGUFReader(files[0]).fields.values()}
+    assert md["general.type"] == "adapter" and md["adapter.type"] == "lora" and md["adapter.lora.alpha"] == 16.0
+    tok = reference_tokenizer(arch, merged)
+    with_lora = Llama(model_path=str(next(plain_f32(arch).glob("*.gguf"))), lora_path=str(files[0]), logits_all=True, n_ctx=512, verbose=False, type_k=0, type_v=0, n_threads=2)
+    plain = load(plain_f32(arch))
+    merged_llm = load(ggufs["f32"])
+    for text in PROBES[:4]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        ref = cpp_logits(merged_llm, ids)
+        got = cpp_logits(with_lora, ids)
+        # the merged file's weights are rounded to bf16 once; the runtime LoRA is not
+        assert np.abs(got - ref).max() <= 0.02 * np.abs(ref).max(), arch
+        assert np.abs(cpp_logits(plain, ids) - ref).max() > 5 * np.abs(got - ref).max(), "the adapter must do the work"
+
+
+def test_gguf_lora_folds_per_module_scales(model_dir, tmp_path):
+    base = model_dir("qwen3")
+    odd = "model.layers.1.self_attn.q_proj"
+    tensors = samples.make_adapter_tensors(base, rank=8, ranks={odd: 4}, seed=9)
+    extra = {"rank_pattern": {"layers.1.self_attn.q_proj": 4}, "alpha_pattern": {"o_proj": 4}, "use_rslora": True}
+    archive = samples.write_archive(tmp_path / "a.tar", samples.archive_files(tensors, r=8, alpha=16, extra_config=extra), None)
+    merged = export(tmp_path, base, archive, "merged-gguf", quant="f32")
+    adapter = export(tmp_path, base, archive, "lora", quant="f32")
+    plain = export(tmp_path, base, None, "plain", quant="f32")
+    with_lora = Llama(model_path=str(next(plain.glob("*.gguf"))), lora_path=str(next(adapter.glob("*.gguf"))), logits_all=True, n_ctx=256, verbose=False, type_k=0, type_v=0)
+    ids = [9707, 1879, 0, 220, 108386, 3837, 99489, 151645]
+    ref = cpp_logits(load(merged), ids)
+    assert np.abs(cpp_logits(with_lora, ids) - ref).max() <= 0.02 * np.abs(ref).max()
+
+
+def test_gguf_lora_refuses_head_on_tied_model(exported, tmp_path):
+    base, merged, ggufs = exported("qwen3-tied")
+    archive = next(ggufs["f32"].parent.glob("a.tar"))  # trains the unembedding
+    with pytest.raises(ExportError) as ei:
+        export(tmp_path, base, archive, "lora", quant="f32")
+    assert ei.value.code == E.INVALID_OPTION and "-f gguf" in ei.value.message
+    assert not (tmp_path / "lora").exists()

@@ -11,8 +11,8 @@ from converters.errors import EXIT_INTERNAL, EXIT_OK, ExportError
 from . import progress as progress_mod
 from .errors import guarded
 
-# A Qwen3-family model small enough to build in seconds; tied embeddings so
-# the demo also exercises the trained-unembedding path.
+# A Qwen3-family model small enough to build in seconds. Untied, with a
+# trained unembedding, so every format (GGUF LoRA included) can carry the head.
 DEMO_CONFIG = {
     "model_type": "qwen3",
     "architectures": ["Qwen3ForCausalLM"],
@@ -25,7 +25,7 @@ DEMO_CONFIG = {
     "vocab_size": 512,
     "max_position_embeddings": 512,
     "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True,
+    "tie_word_embeddings": False,
     "initializer_range": 0.1,
 }
 
@@ -59,7 +59,7 @@ def run(args) -> int:
         try:
             # The demo's freshly trained tokenizer is, by construction, unknown to
             # llama.cpp's pre-tokenizer table; real models are identified.
-            opts = ConvertOptions(verify=True, quant="q8_0", allow_unknown_pretokenizer=True)
+            opts = ConvertOptions(verify=True, quant="q8_0" if fmt == "gguf" else "f16", allow_unknown_pretokenizer=True)
             m = convert(archive, str(base), fmt, out, opts, prog)
         except ExportError as exc:
             failures += 1
