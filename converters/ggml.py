@@ -49,8 +49,16 @@ def available() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=1)
+def _pool() -> ThreadPoolExecutor:
+    # one long-lived pool: starting threads per block cost more than quantizing small blocks
+    return ThreadPoolExecutor(_threads(), thread_name_prefix="ggml-quantize")
+
+
 def _threads() -> int:
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    # Every core: quantized output is small, so the writer thread is mostly idle
+    # while ggml quantizes (measured: 2 threads ~1.9x faster than 1 on 2 cores).
+    return max(1, len(os.sched_getaffinity(0)))
 
 
 def quantize_rows(type_name: str, rows: np.ndarray, out: np.ndarray) -> int:
@@ -76,5 +84,4 @@ def quantize_rows(type_name: str, rows: np.ndarray, out: np.ndarray) -> int:
 
     if nthreads == 1:
         return run(chunks[0])
-    with ThreadPoolExecutor(nthreads) as pool:
-        return sum(pool.map(run, chunks))
+    return sum(_pool().map(run, chunks))
