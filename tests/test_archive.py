@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import math
 import struct
 import tarfile
 from pathlib import Path

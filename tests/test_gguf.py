@@ -187,6 +187,7 @@ def quant_model(tmp_path_factory):
     return tmp, base, archive, next(bf16.glob("*.gguf"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant", [q for q, t in QUANT_TYPES.items() if t.quantized])
 def test_quantization_matches_llama_quantize(quant_model, quant):
     tmp, base, archive, bf16 = quant_model
@@ -203,6 +204,7 @@ def test_quantization_matches_llama_quantize(quant_model, quant):
         assert {"Q4_K", "Q6_K"} <= set(types.values())
 
 
+@pytest.mark.slow
 def test_moe_quantization_matches_llama_quantize(model_dir, tmp_path):
     cfg = samples.shrink(json.loads((CONFIGS / "Qwen3-30B-A3B.json").read_text()), hidden_size=256, moe_intermediate_size=256, intermediate_size=512, num_hidden_layers=4, head_dim=64)
     base = samples.build_base(tmp_path / "base", cfg, TOKENIZERS / "qwen3")

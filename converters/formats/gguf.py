@@ -125,12 +125,12 @@ class Gguf(Converter):
                 raise InputError(E.BASE_INVALID, f"layer {layer} {proj}: experts {sorted(by_expert)} are not numbered 0..{n - 1}.")
             srcs = tuple(by_expert[e] for e in range(n))
             pending.append((f"blk.{layer}.{GGUF_EXPERT_NAMES[proj]}", (n, srcs[0].rows, srcs[0].cols), srcs, None))
+        head_ops = None
         if fam.lm_head in ops and fam.lm_head not in base.tensors:
             # tied model with a trained head: output.weight starts as the embedding
+            # and takes the head's ops; token_embd itself stays unchanged
             pending.append(("output.weight", base.info(fam.embed).shape, (src(fam.embed),), None))
-            op_map = {fam.embed: ops[fam.lm_head]}
-        else:
-            op_map = ops
+            head_ops = {fam.embed: ops[fam.lm_head]}
 
         generated: list[tuple[str, np.ndarray]] = []
         if rope["rope_type"] == "llama3":
@@ -141,7 +141,7 @@ class Gguf(Converter):
         types = tensor_types(q, shapes, ModelFacts(n_layer=int(cfg["num_hidden_layers"]), n_expert=n_experts, is_70b=spec.arch == "llama" and int(cfg["num_hidden_layers"]) == 80))
         tensors = []
         for gname, shape, srcs, transform in pending:
-            t_ops = remap_ops(srcs, op_map if gname == "output.weight" and fam.lm_head not in base.tensors else ops)
+            t_ops = remap_ops(srcs, head_ops if head_ops and gname == "output.weight" else ops)
             tensors.append(TensorPlan(gname, types[gname], tuple(shape), srcs, t_ops, round_to=srcs[0].dtype if t_ops else None, transform=transform))
         for gname, arr in generated:
             tensors.append(TensorPlan(gname, "F32", arr.shape, (), data=arr.astype("<f4").tobytes()))
