@@ -45,6 +45,16 @@ PRE_TOKENIZERS: dict[str, str] = {
     "d353350c764d8c3b39c763113960e4fb4919bea5fbf208a0e3b22e8469dc7406": "llama4",
     "ccc2ef013c104be7bae2965776d611e1d7a8a2a9c547dd93a682c9a9fc80352e": "gpt-4o",
 }
+# Added tokens llama.cpp's converter marks CONTROL even when the tokenizer does
+# not flag them special (convert_hf_to_gguf's does_token_look_special).
+LOOKS_SPECIAL_EXACT = {"<pad>", "<mask>", "<2mass>", "[@BOS@]"}
+LOOKS_SPECIAL_WRAPS = (("<|", "|>"), ("<｜", "｜>"), ("<start_of_", ">"), ("<end_of_", ">"))
+
+
+def looks_special(text: str) -> bool:
+    return text in LOOKS_SPECIAL_EXACT or any(text.startswith(a) and text.endswith(b) for a, b in LOOKS_SPECIAL_WRAPS)
+
+
 # Texts llama.cpp itself treats as end of generation (llama-vocab.cpp).
 LLAMA_CPP_EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>", "_<EOT>", "<|eom_id|>", "</s>"}
 
@@ -117,7 +127,7 @@ def _bpe(model_dir: Path, vocab_size: int, allow_unknown_pre: bool) -> Vocab:
             continue
         text = reverse[i]
         if i in added:
-            types.append(TokenType.CONTROL if added[i].special else TokenType.USER_DEFINED)
+            types.append(TokenType.CONTROL if added[i].special or looks_special(text) else TokenType.USER_DEFINED)
         else:
             types.append(TokenType.NORMAL)
         tokens.append(text)
