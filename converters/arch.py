@@ -8,6 +8,7 @@ never branches on a family's name. Adding a family means adding an entry.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from . import errors as E
@@ -24,6 +25,14 @@ _LLAMA_LAYER_LINEARS: dict[str, str] = {
     "mlp.up_proj": "model.layers.{layer}.mlp.up_proj.weight",
     "mlp.down_proj": "model.layers.{layer}.mlp.down_proj.weight",
 }
+
+
+def _template_regex(template: str) -> re.Pattern:
+    """A name template such as 'model.layers.{layer}.mlp.experts.{expert}.{proj}.weight' as a regex."""
+    rx = re.escape(template)
+    for key, pat in (("layer", r"\d+"), ("expert", r"\d+"), ("proj", r"[a-z_]+")):
+        rx = rx.replace(re.escape("{" + key + "}"), f"(?P<{key}>{pat})")
+    return re.compile(f"^{rx}$")
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,19 @@ class MoeLayout:
             if config.get(k):
                 return int(config[k])
         raise InputError(E.BASE_INVALID, f"config.json names no expert count ({' or '.join(self.num_experts_keys)}); the base model is incomplete.")
+
+    def match_per_expert(self, name: str) -> tuple[int, int, str] | None:
+        """(layer, expert, projection) if ``name`` is a per-expert tensor."""
+        m = _template_regex(self.per_expert).match(name)
+        return (int(m["layer"]), int(m["expert"]), m["proj"]) if m else None
+
+    def match_fused(self, name: str) -> tuple[int, list[tuple[str, FusedSlot]]] | None:
+        """(layer, [(projection, slot), …]) if ``name`` is a fused expert tensor."""
+        for slot in dict.fromkeys(s.tensor for s in self.fused.values()):
+            m = _template_regex(slot).match(name)
+            if m:
+                return int(m["layer"]), [(proj, s) for proj, s in self.fused.items() if s.tensor == slot]
+        return None
 
     def is_sparse(self, config: dict, layer: int) -> bool:
         step = int(config.get(self.sparse_step_key, 1) or 1)

@@ -28,8 +28,6 @@ from ..targets import ops_by_tensor
 from .base import ConvertContext, Converter
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_PER_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_FUSED = {"mlp.experts.gate_up_proj": ("gate_proj", "up_proj"), "mlp.experts.down_proj": ("down_proj",)}
 GGML_QUANT_VERSION = 2
 
 
@@ -107,14 +105,16 @@ class Gguf(Converter):
                 elif spec.permute_qk and key in ("self_attn.q_proj.bias", "self_attn.k_proj.bias"):
                     raise InputError(E.UNSUPPORTED_ARCHITECTURE, "llama-style models with q/k biases cannot be exported to GGUF yet.")
                 pending.append((gname, info.shape, (src(name),), transform))
-            elif m and (pe := _PER_EXPERT.match(key)):
-                experts[(int(m.group(1)), pe.group(2))][int(pe.group(1))] = src(name)
-            elif m and key in _FUSED:
+            elif fam.moe and (pe := fam.moe.match_per_expert(name)):
+                layer, expert, proj = pe
+                experts[(layer, proj)][expert] = src(name)
+            elif fam.moe and (fu := fam.moe.match_fused(name)):
+                layer, slots = fu
                 n_exp, rows = info.shape[0], info.shape[1]
-                projs = _FUSED[key]
-                per = rows // len(projs)
-                for k, proj in enumerate(projs):
-                    experts[(int(m.group(1)), proj)].update({e: src(name, e * rows + k * per, e * rows + (k + 1) * per) for e in range(n_exp)})
+                for proj, slot in slots:
+                    per = rows // slot.chunks
+                    lo = slot.chunk * per
+                    experts[(layer, proj)].update({e: src(name, e * rows + lo, e * rows + lo + per) for e in range(n_exp)})
             elif name.endswith(GGUF_DROPPED):
                 continue
             else:
