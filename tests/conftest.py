@@ -97,3 +97,14 @@ def write_peft_adapter(dst: Path, tensors: dict[str, torch.Tensor], r: int, alph
 def leftovers(out: Path) -> list[str]:
     """Temp or partial outputs beside ``out``."""
     return [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+
+
+# Per-module rank (layer 1 q_proj: 4), per-module alpha (o_proj: 4) and rsLoRA.
+PATTERN_CONFIG = {"rank_pattern": {"layers.1.self_attn.q_proj": 4}, "alpha_pattern": {"o_proj": 4}, "use_rslora": True}
+
+
+def patterned_archive(base: Path, dst: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """An archive whose scales differ per module; returns (archive, its tensors)."""
+    tensors = samples.make_adapter_tensors(base, rank=8, ranks={"model.layers.1.self_attn.q_proj": 4}, seed=9)
+    archive = samples.write_archive(dst, samples.archive_files(tensors, r=8, alpha=16, extra_config=PATTERN_CONFIG), None)
+    return archive, tensors

@@ -13,7 +13,7 @@ import torch
 from converters import ConvertOptions, ExportError, convert, samples
 from converters import errors as E
 from converters.gguf_quant import QUANT_TYPES
-from tests.conftest import CONFIGS, DENSE, MOE, TOKENIZERS
+from tests.conftest import CONFIGS, DENSE, MOE, TOKENIZERS, patterned_archive
 
 import llama_cpp  # a hard dependency of the tests (.[test]): never skip these silently
 from llama_cpp import Llama
@@ -303,10 +303,7 @@ def test_gguf_lora_on_base_gguf_matches_merged(exported, plain_f32, tmp_path, ar
 
 def test_gguf_lora_folds_per_module_scales(model_dir, tmp_path):
     base = model_dir("qwen3")
-    odd = "model.layers.1.self_attn.q_proj"
-    tensors = samples.make_adapter_tensors(base, rank=8, ranks={odd: 4}, seed=9)
-    extra = {"rank_pattern": {"layers.1.self_attn.q_proj": 4}, "alpha_pattern": {"o_proj": 4}, "use_rslora": True}
-    archive = samples.write_archive(tmp_path / "a.tar", samples.archive_files(tensors, r=8, alpha=16, extra_config=extra), None)
+    archive, _ = patterned_archive(base, tmp_path / "a.tar")
     merged = export(tmp_path, base, archive, "merged-gguf", quant="f32")
     adapter = export(tmp_path, base, archive, "lora", quant="f32")
     plain = export(tmp_path, base, None, "plain", quant="f32")

@@ -9,7 +9,7 @@ import torch
 
 from converters import ConvertOptions, convert, samples
 from converters.manifest import MANIFEST_NAME
-from tests.conftest import DENSE, MOE, load_state
+from tests.conftest import DENSE, MOE, PATTERN_CONFIG, load_state, patterned_archive
 from tests.test_merged_safetensors import export, logprobs
 
 
@@ -80,10 +80,7 @@ def test_rank_and_alpha_patterns_and_rslora(tmp_path, model_dir):
     from transformers import AutoModelForCausalLM
 
     base = model_dir("qwen3")
-    odd = "model.layers.1.self_attn.q_proj"
-    tensors = samples.make_adapter_tensors(base, rank=8, ranks={odd: 4}, seed=9)
-    extra = {"rank_pattern": {"layers.1.self_attn.q_proj": 4}, "alpha_pattern": {"o_proj": 4}, "use_rslora": True}
-    archive = samples.write_archive(tmp_path / "a.tar", samples.archive_files(tensors, r=8, alpha=16, extra_config=extra), None)
+    archive, tensors = patterned_archive(base, tmp_path / "a.tar")
     opts = ConvertOptions(verify=False)
     convert(archive, str(base), "lora-adapter", tmp_path / "adapter", opts)
     convert(archive, str(base), "merged-safetensors", tmp_path / "merged", ConvertOptions(verify=False, dtype="F32"))
@@ -96,7 +93,7 @@ def test_rank_and_alpha_patterns_and_rslora(tmp_path, model_dir):
 
     ref_dir = write_peft_adapter(tmp_path / "ref", tensors, 8, 16, str(base))
     ref_cfg = json.loads((ref_dir / "adapter_config.json").read_text())
-    (ref_dir / "adapter_config.json").write_text(json.dumps({**ref_cfg, **extra}))
+    (ref_dir / "adapter_config.json").write_text(json.dumps({**ref_cfg, **PATTERN_CONFIG}))
     ref = logprobs(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), ref_dir).eval())
     ours_adapter = logprobs(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), tmp_path / "adapter").eval())
     ours_merged = logprobs(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval())
