@@ -91,6 +91,12 @@ INVALID_OPTION = _code("invalid_option", "input", "an option value is not valid"
 OUTPUT_EXISTS = _code("output_exists", "input", "the output path already exists")
 UNKNOWN_PRETOKENIZER = _code("unknown_pretokenizer", "input", "llama.cpp does not know the tokenizer's pre-tokenizer")
 PLAN_INCOMPLETE = _code("plan_incomplete", "input", "the conversion plan does not account for every tensor")
+# operations store
+OPERATION_NOT_FOUND = _code("operation_not_found", "input", "no operation has this id")
+IDEMPOTENCY_CONFLICT = _code("idempotency_conflict", "input", "the Idempotency-Key was used with a different request")
+INVALID_TRANSITION = _code("invalid_transition", "input", "the operation cannot move to that status from its current one")
+LEASE_LOST = _code("lease_lost", "transient", "another worker took over the operation")
+ATTEMPTS_EXHAUSTED = _code("attempts_exhausted", "internal", "the operation failed on every allowed attempt")
 # runtime
 VERIFY_FAILED = _code("verify_failed", "internal", "the exported model's outputs differ from the reference")
 DISK_FULL = _code("disk_full", "transient", "not enough disk space")

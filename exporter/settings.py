@@ -26,6 +26,8 @@ def _env(name: str, default, cast):
 @dataclass(frozen=True)
 class Settings:
     data_dir: Path = field(default_factory=lambda: Path.home() / ".local" / "share" / "nucleus-export")
+    # operations store: PostgreSQL URL (postgresql+psycopg://…) or empty for SQLite in data_dir
+    database_url: str | None = None
     model_store: str | None = None
     hf_offline: bool | None = None
     max_member_bytes: int = ArchiveLimits.max_member_bytes
@@ -39,9 +41,15 @@ class Settings:
         values = {}
         for f in fields(cls):
             default = getattr(cls(), f.name)
-            cast = {"data_dir": Path, "model_store": str, "hf_offline": bool}.get(f.name, type(default))
+            cast = {"data_dir": Path, "model_store": str, "hf_offline": bool, "database_url": str}.get(f.name, type(default))
             values[f.name] = _env(f.name, default, cast)
         return cls(**values)
+
+    def store_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{(self.data_dir / 'operations.db').absolute()}"
 
     def archive_limits(self) -> ArchiveLimits:
         return ArchiveLimits(
