@@ -97,6 +97,10 @@ IDEMPOTENCY_CONFLICT = _code("idempotency_conflict", "input", "the Idempotency-K
 INVALID_TRANSITION = _code("invalid_transition", "input", "the operation cannot move to that status from its current one")
 LEASE_LOST = _code("lease_lost", "transient", "another worker took over the operation")
 ATTEMPTS_EXHAUSTED = _code("attempts_exhausted", "internal", "the operation failed on every allowed attempt")
+# fetching archives
+FETCH_FAILED = _code("fetch_failed", "transient", "downloading the archive failed (network, 5xx, 429, timeout)")
+FETCH_NOT_FOUND = _code("fetch_not_found", "input", "the archive URI does not exist or is not accessible")
+FETCH_UNSUPPORTED = _code("fetch_unsupported", "input", "the archive URI scheme is not supported")
 # runtime
 VERIFY_FAILED = _code("verify_failed", "internal", "the exported model's outputs differ from the reference")
 DISK_FULL = _code("disk_full", "transient", "not enough disk space")
