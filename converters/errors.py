@@ -101,6 +101,10 @@ ATTEMPTS_EXHAUSTED = _code("attempts_exhausted", "internal", "the operation fail
 FETCH_FAILED = _code("fetch_failed", "transient", "downloading the archive failed (network, 5xx, 429, timeout)")
 FETCH_NOT_FOUND = _code("fetch_not_found", "input", "the archive URI does not exist or is not accessible")
 FETCH_UNSUPPORTED = _code("fetch_unsupported", "input", "the archive URI scheme is not supported")
+# artifact stores and signed URLs
+URL_EXPIRED = _code("url_expired", "input", "the signed URL has expired")
+URL_BAD_SIGNATURE = _code("url_bad_signature", "input", "the signed URL's signature is not valid")
+ARTIFACT_NOT_FOUND = _code("artifact_not_found", "input", "no artifact is stored under this key")
 # runtime
 VERIFY_FAILED = _code("verify_failed", "internal", "the exported model's outputs differ from the reference")
 DISK_FULL = _code("disk_full", "transient", "not enough disk space")
