@@ -105,6 +105,9 @@ FETCH_UNSUPPORTED = _code("fetch_unsupported", "input", "the archive URI scheme 
 URL_EXPIRED = _code("url_expired", "input", "the signed URL has expired")
 URL_BAD_SIGNATURE = _code("url_bad_signature", "input", "the signed URL's signature is not valid")
 ARTIFACT_NOT_FOUND = _code("artifact_not_found", "input", "no artifact is stored under this key")
+# job runner
+CONVERSION_CRASHED = _code("conversion_crashed", "transient", "the conversion process died (out of memory, or a crash)")
+DESTINATION_UNSUPPORTED = _code("destination_unsupported", "input", "the export destination is not available")
 # runtime
 VERIFY_FAILED = _code("verify_failed", "internal", "the exported model's outputs differ from the reference")
 DISK_FULL = _code("disk_full", "transient", "not enough disk space")

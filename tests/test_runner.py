@@ -1,0 +1,144 @@
+"""The job runner: stages, failures, retries, cancellation, and a worker killed mid-conversion."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from urllib.parse import parse_qsl, urlsplit
+
+import pytest
+
+from converters import errors as E
+from converters import samples
+from exporter.artifacts import LocalStore
+from exporter.runner import RunnerConfig, Worker
+from exporter.store import Store, sqlite_url
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def env(tmp_path, model_dir):
+    base = model_dir("qwen3")
+    archive = samples.build_archive(tmp_path / "ckpt.tar.gz", base, rank=8, meta={"run_id": "run_3Bz", "checkpoint_id": "000240", "step": 240})
+    store = Store(sqlite_url(tmp_path / "ops.db"))
+    artifacts = LocalStore(tmp_path / "artifacts", {"k1": b"test-secret"})
+    config = RunnerConfig(work_dir=tmp_path / "work", lease_seconds=30, heartbeat_seconds=0.2, backoff_base=0.01, backoff_max=0.05)
+    yield {"base": base, "archive": archive, "store": store, "artifacts": artifacts, "config": config, "tmp": tmp_path,
+           "sha": hashlib.sha256(archive.read_bytes()).hexdigest()}
+    store.close()
+
+
+def request(env, fmt="merged-safetensors", **over) -> dict:
+    return {"run_id": "run_3Bz", "checkpoint_id": "000240", "format": fmt, "destination": "signed-url",
+            "source": {"uri": str(env["archive"]), "sha256": env["sha"]}, "base": str(env["base"]), "options": {"verify": False}, **over}
+
+
+def download(artifacts: LocalStore, url: str) -> bytes:
+    u = urlsplit(url)
+    r = artifacts.serve("GET", u.path, dict(parse_qsl(u.query)), {})
+    assert r.status == 200
+    return b"".join(r.body)
+
+
+def test_export_runs_through_every_stage(env):
+    store, artifacts = env["store"], env["artifacts"]
+    op, _ = store.create(request(env))
+    done = Worker(store, artifacts, env["config"], "w1").run_once()
+    assert done.status == "succeeded" and done.attempts == 1 and done.percent == 100.0
+    stages = [e.data["stage"] for e in store.events(op.id) if e.kind == "stage"]
+    assert stages == ["fetching", "verifying", "converting", "publishing"]
+    files = {f["name"]: f for f in done.result["files"]}
+    assert {"model.safetensors", "config.json", "nucleus-export.json"} <= set(files)
+    for f in files.values():
+        data = download(artifacts, f["url"])
+        assert hashlib.sha256(data).hexdigest() == f["sha256"] and len(data) == f["size"]
+    manifest = json.loads(download(artifacts, files["nucleus-export.json"]["url"]))
+    assert manifest["source"]["sha256"] == env["sha"] and manifest["source"]["run_id"] == "run_3Bz"
+    assert not (env["config"].work_dir / "jobs" / op.id).exists(), "the job's scratch space is removed"
+    assert Worker(store, artifacts, env["config"], "w1").run_once() is None
+
+
+def test_bad_input_fails_at_once(env, tmp_path):
+    bad = samples.write_archive(tmp_path / "bad.tar", {k: v for k, v in samples.archive_files(samples.make_adapter_tensors(env["base"], rank=4), r=4, alpha=8).items() if k != "checkpoint_complete"}, None)
+    op, _ = env["store"].create(request(env, source={"uri": str(bad)}))
+    done = Worker(env["store"], env["artifacts"], env["config"], "w1").run_once()
+    assert done.status == "failed" and done.error_code == E.ARCHIVE_INCOMPLETE and done.attempts == 1
+
+
+def test_transient_errors_retry_with_backoff_then_fail(env):
+    op, _ = env["store"].create(request(env, source={"uri": "http://127.0.0.1:9/unreachable.tar"}))
+    worker = Worker(env["store"], env["artifacts"], env["config"], "w1")
+    first = worker.run_once()
+    assert first.status == "queued" and first.error_code == E.FETCH_FAILED and first.attempts == 1
+    retry_in = [e.data["retry_in"] for e in env["store"].events(op.id) if e.kind == "status" and e.data["to"] == "queued"]
+    assert len(retry_in) == 1 and 0 < retry_in[0] <= 0.05
+    while (last := worker.run_once()) is None:
+        time.sleep(0.02)
+    while last.status == "queued":
+        time.sleep(0.06)
+        last = worker.run_once() or last
+    assert last.status == "failed" and last.error_code == E.FETCH_FAILED and last.attempts == env["config"].max_attempts
+
+
+def test_cancel_during_conversion(env):
+    store = env["store"]
+    op, _ = store.create(request(env))
+    worker = Worker(store, env["artifacts"], env["config"], "w1")
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("op", worker.run_once()))
+    t.start()
+    deadline = time.monotonic() + 60
+    while store.get(op.id).stage != "converting" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert store.cancel(op.id).status == "cancelling"
+    t.join(120)
+    final = store.get(op.id)
+    assert final.status == "cancelled" and final.finished_at is not None
+    assert not (env["artifacts"].root / "exports" / op.id).exists(), "nothing was published"
+    assert not (env["config"].work_dir / "jobs" / op.id).exists(), "no partial output is left"
+
+
+WORKER_SCRIPT = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from exporter.artifacts import LocalStore
+    from exporter.runner import RunnerConfig, Worker
+    from exporter.store import Store
+    db, art, work = sys.argv[1:4]
+    cfg = RunnerConfig(work_dir=Path(work), lease_seconds=2, heartbeat_seconds=0.5)
+    Worker(Store(db), LocalStore(art, {"k1": b"test-secret"}), cfg, "doomed").run_once()
+""")
+
+
+@pytest.mark.slow
+def test_worker_killed_mid_conversion_is_resumed_by_another(env):
+    store, artifacts, cfg = env["store"], env["artifacts"], env["config"]
+    reference, _ = store.create(request(env), idempotency_key="undisturbed")
+    assert Worker(store, artifacts, cfg, "w0").run_once().status == "succeeded"
+    op, _ = store.create(request(env), idempotency_key="disturbed")
+    proc = subprocess.Popen([sys.executable, "-c", WORKER_SCRIPT, store.url, str(artifacts.root), str(cfg.work_dir)], cwd=ROOT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while store.get(op.id).stage != "converting" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(1.0)  # let the conversion child get going
+    os.killpg(proc.pid, signal.SIGKILL)  # the machine dies: worker and its child together
+    proc.wait()
+    assert store.get(op.id).status == "running", "the dead worker still holds the lease"
+    time.sleep(2.5)  # its 2 s lease runs out
+    done = Worker(store, artifacts, cfg, "w2").run_once()
+    assert done.id == op.id and done.status == "succeeded" and done.attempts == 2
+    claims = [e.data for e in store.events(op.id) if e.kind == "claimed"]
+    assert [c["worker"] for c in claims] == ["doomed", "w2"] and claims[1]["reclaimed"]
+    ref_files = {f["name"]: f["sha256"] for f in store.get(reference.id).result["files"]}
+    got_files = {f["name"]: f["sha256"] for f in done.result["files"]}
+    ref_files.pop("nucleus-export.json")  # differs only by its creation time
+    got_files.pop("nucleus-export.json")
+    assert got_files == ref_files, "the resumed export is byte-identical to an undisturbed one"
