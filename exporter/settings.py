@@ -35,13 +35,22 @@ class Settings:
     max_compression_ratio: float = ArchiveLimits.max_compression_ratio
     max_archive_members: int = ArchiveLimits.max_members
     verify_max_params: int = 2_000_000_000
+    # signed URLs: "kid:secret,kid2:secret2" (the first signs; all verify). Empty: a random
+    # key is created once in data_dir/signing.key (mode 0600). Never logged.
+    signing_keys: str | None = None
+    public_base_url: str = "http://127.0.0.1:8000"
+    url_ttl_seconds: int = 7 * 24 * 3600
+    lease_seconds: float = 60.0
+    heartbeat_seconds: float = 10.0
+    max_attempts: int = 3
+    s3_endpoint_url: str | None = None
 
     @classmethod
     def from_env(cls) -> "Settings":
         values = {}
         for f in fields(cls):
             default = getattr(cls(), f.name)
-            cast = {"data_dir": Path, "model_store": str, "hf_offline": bool, "database_url": str}.get(f.name, type(default))
+            cast = {"data_dir": Path, "model_store": str, "hf_offline": bool, "database_url": str, "signing_keys": str, "s3_endpoint_url": str}.get(f.name, type(default))
             values[f.name] = _env(f.name, default, cast)
         return cls(**values)
 
@@ -50,6 +59,22 @@ class Settings:
             return self.database_url
         self.data_dir.mkdir(parents=True, exist_ok=True)
         return f"sqlite:///{(self.data_dir / 'operations.db').absolute()}"
+
+    def signing_key_map(self) -> dict[str, bytes]:
+        if self.signing_keys:
+            pairs = [p.split(":", 1) for p in self.signing_keys.split(",") if p.strip()]
+            if not pairs or any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
+                raise ValueError("NUCLEUS_EXPORT_SIGNING_KEYS must look like kid:secret[,kid:secret]")
+            return {k.strip(): v.strip().encode() for k, v in pairs}
+        path = self.data_dir / "signing.key"
+        if not path.exists():
+            import secrets
+
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(32))
+        return {"local": path.read_text().strip().encode()}
 
     def archive_limits(self) -> ArchiveLimits:
         return ArchiveLimits(

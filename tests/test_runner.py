@@ -142,3 +142,32 @@ def test_worker_killed_mid_conversion_is_resumed_by_another(env):
     ref_files.pop("nucleus-export.json")  # differs only by its creation time
     got_files.pop("nucleus-export.json")
     assert got_files == ref_files, "the resumed export is byte-identical to an undisturbed one"
+
+
+def test_worker_command_runs_a_queued_export(env, tmp_path):
+    data = tmp_path / "data"
+    environ = {**os.environ, "NUCLEUS_EXPORT_DATA_DIR": str(data), "HF_HUB_OFFLINE": "1"}
+    from exporter.settings import Settings
+
+    data.mkdir()
+    store = Store(sqlite_url(data / "operations.db"))  # the worker's default database
+    op, _ = store.create(request(env))
+    r = subprocess.run([sys.executable, "-m", "exporter", "worker", "--once"], env=environ, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    done = store.get(op.id)
+    assert done.status == "succeeded", done.error_message
+    key = data / "signing.key"
+    assert key.stat().st_mode & 0o777 == 0o600, "the generated signing key is private"
+    assert key.read_text().strip() not in r.stdout + r.stderr, "secrets never reach the output"
+    settings = Settings(data_dir=data)
+    artifacts = LocalStore(data / "artifacts", settings.signing_key_map())
+    assert download(artifacts, done.result["files"][0]["url"])
+    store.close()
+
+
+def test_signing_keys_setting():
+    from exporter.settings import Settings
+
+    assert Settings(signing_keys="k2:two, k1:one").signing_key_map() == {"k2": b"two", "k1": b"one"}
+    with pytest.raises(ValueError):
+        Settings(signing_keys="no-colon").signing_key_map()

@@ -18,13 +18,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import convert, demo
+    from . import convert, demo, worker
 
     parser = _Parser(prog="nucleus-export", description="Export LoRA checkpoints as merged models, PEFT adapters and more.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     convert.register(sub)
     demo.register(sub)
+    worker.register(sub)
     return parser
 
 
