@@ -120,18 +120,29 @@ class Worker:
         self._stop_beat = stop
         beat.start()
         try:
-            self._run(op)
-        except Cancelled:
-            self._cleanup(op.id)
-            self.store.transition(op.id, "cancelled", worker_id=self.worker_id)
+            try:
+                self._run(op)
+            except Cancelled:
+                self._cleanup(op.id)
+                self._finish_cancel(op.id)
+            except ExportError as exc:
+                self._failed(op, exc)
+            except Exception as exc:  # noqa: BLE001 - the worker survives any one job
+                self._failed(op, ExportError(E.INTERNAL, f"{exc.__class__.__name__}: {exc}"))
         except ExportError as exc:
-            self._failed(op, exc)
-        except Exception as exc:  # noqa: BLE001 - the worker survives any one job
-            self._failed(op, ExportError(E.INTERNAL, f"{exc.__class__.__name__}: {exc}"))
+            # the operation moved on without us (lease lost, or cancelled by a
+            # worker that found our lease expired): nothing left for us to record
+            if exc.code not in (E.LEASE_LOST, E.INVALID_TRANSITION):
+                raise
+            self._cleanup(op.id)
         finally:
             stop.set()
             beat.join()
         return self.store.get(op.id)
+
+    def _finish_cancel(self, op_id: str) -> None:
+        if self.store.get(op_id).status == "cancelling":
+            self.store.transition(op_id, "cancelled", worker_id=self.worker_id)
 
     def run_forever(self, poll_seconds: float = 1.0, stop: threading.Event | None = None, max_jobs: int | None = None) -> int:
         done = 0
@@ -159,7 +170,7 @@ class Worker:
         current = self.store.get(op.id)
         if current.status == "cancelling":
             self._cleanup(op.id)
-            self.store.transition(op.id, "cancelled", worker_id=self.worker_id)
+            self._finish_cancel(op.id)
             return
         if exc.code == E.LEASE_LOST or current.worker_id != self.worker_id:
             return  # someone else runs it now

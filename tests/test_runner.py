@@ -171,3 +171,23 @@ def test_signing_keys_setting():
     assert Settings(signing_keys="k2:two, k1:one").signing_key_map() == {"k2": b"two", "k1": b"one"}
     with pytest.raises(ValueError):
         Settings(signing_keys="no-colon").signing_key_map()
+
+
+def test_worker_survives_losing_its_job(env, monkeypatch):
+    """Cancelled while its lease had run out, another worker finished the cancel: no crash, no overwrite."""
+    import exporter.runner as runner_mod
+
+    store = env["store"]
+    op, _ = store.create(request(env))
+    real_fetch = runner_mod.fetch
+
+    def fetch_while_the_world_moves_on(*a, **k):
+        store.cancel(op.id)  # cancelling
+        store.heartbeat(op.id, "slow", lease_seconds=-1)  # our lease runs out mid-fetch
+        assert store.claim("other") is None  # the other worker finds it and marks it cancelled
+        return real_fetch(*a, **k)
+
+    monkeypatch.setattr(runner_mod, "fetch", fetch_while_the_world_moves_on)
+    final = Worker(store, env["artifacts"], env["config"], "slow").run_once()
+    assert final.status == "cancelled" and final.error_code is None
+    assert not (env["config"].work_dir / "jobs" / op.id).exists()
