@@ -22,7 +22,7 @@ from urllib.parse import unquote, urlparse
 from converters import errors as E
 from converters.errors import ExportError
 
-_CHUNK = 1 << 20
+_CHUNK = 256 << 10  # also the progress granularity of a download
 _MARGIN = 64 << 20
 
 ProgressFn = Callable[[int, int], None]  # bytes done, bytes total (0: unknown)

@@ -200,8 +200,12 @@ class Worker:
         src = req.get("source") or {}
         if not src.get("uri"):
             raise ExportError(E.INVALID_OPTION, "the export request names no checkpoint archive (source.uri).", field="source")
-        fetched = fetch(src["uri"], self.cache, expected_sha256=src.get("sha256"), expected_size=src.get("size"), s3_endpoint_url=self.config.s3_endpoint_url,
-                        progress=lambda d, t: self.store.progress(op.id, bytes_done=d, bytes_total=t))
+        def fetch_progress(done: int, total: int) -> None:
+            self._check_cancel()  # a cancel stops a download between chunks; the partial file stays for reuse
+            self.store.progress(op.id, bytes_done=done, bytes_total=total, message="downloading")
+
+        fetched = fetch(src["uri"], self.cache, expected_sha256=src.get("sha256"), expected_size=src.get("size"),
+                        s3_endpoint_url=self.config.s3_endpoint_url, progress=fetch_progress)
         self._check_cancel()
 
         self.store.set_stage(op.id, "verifying", self.worker_id)

@@ -191,3 +191,98 @@ def test_worker_survives_losing_its_job(env, monkeypatch):
     final = Worker(store, env["artifacts"], env["config"], "slow").run_once()
     assert final.status == "cancelled" and final.error_code is None
     assert not (env["config"].work_dir / "jobs" / op.id).exists()
+
+
+class _SlowArchive:
+    """An HTTP server that trickles a file out, so a test can act mid-download."""
+
+    def __init__(self, data: bytes, chunk: int = 64 << 10, pause: float = 0.05):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_HEAD(self):
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                try:
+                    for i in range(0, len(data), chunk):
+                        self.wfile.write(data[i : i + chunk])
+                        self.wfile.flush()
+                        time.sleep(outer.pause)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+        self.pause = pause
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/ckpt.tar.gz"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.pause = 0
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_cancel_reaches_a_running_download(env):
+    store = env["store"]
+    slow = _SlowArchive(env["archive"].read_bytes() + b"\0" * (4 << 20))  # padded: ~70 chunks, ~3.5 s
+    try:
+        op, _ = store.create(request(env, source={"uri": slow.url}))
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("op", Worker(store, env["artifacts"], env["config"], "w1").run_once()))
+        t.start()
+        deadline = time.monotonic() + 30
+        while not (store.get(op.id).bytes_done or 0) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert store.get(op.id).stage == "fetching"
+        store.cancel(op.id)
+        t.join(30)
+        assert not t.is_alive(), "the download stopped"
+        final = store.get(op.id)
+        assert final.status == "cancelled" and final.bytes_done < final.bytes_total
+    finally:
+        slow.close()
+
+
+def test_progress_rises_within_each_stage_and_ends_at_100(env, monkeypatch, tmp_path):
+    store = env["store"]
+    store.progress_interval = 0.02  # record more points than the production 1/s
+    archive = samples.build_archive(tmp_path / "big.tar", env["base"], rank=256, compression=None, seed=5)  # ~2 MB: many chunks
+    slow = _SlowArchive(archive.read_bytes(), chunk=32 << 10, pause=0.01)
+    written: list[tuple[str | None, float | None]] = []
+    real = store.progress
+
+    def spy(op_id, **kw):
+        ok = real(op_id, **kw)
+        if ok:  # what the store recorded, read back in the worker's own thread: no sampling race
+            cur = store.get(op_id)
+            written.append((cur.stage, cur.percent))
+        return ok
+
+    monkeypatch.setattr(store, "progress", spy)
+    try:
+        op, _ = store.create(request(env, source={"uri": slow.url}))
+        final = Worker(store, env["artifacts"], env["config"], "w1").run_once()
+    finally:
+        slow.close()
+    assert final.status == "succeeded" and final.percent == 100.0
+    by_stage: dict[str, list[float]] = {}
+    for stage, pct in written:
+        by_stage.setdefault(stage, []).append(pct)
+    assert len(by_stage.get("fetching", [])) >= 3, f"download progress was reported: {written}"
+    assert "converting" in by_stage
+    for stage, values in by_stage.items():
+        assert values == sorted(values), f"{stage} progress went backwards: {values}"
+    assert written[-1] == ("publishing", 100.0)
+    history = [e.data["stage"] for e in store.events(op.id) if e.kind == "stage"]
+    assert history == ["fetching", "verifying", "converting", "publishing"]
