@@ -286,3 +286,30 @@ def test_progress_rises_within_each_stage_and_ends_at_100(env, monkeypatch, tmp_
     assert written[-1] == ("publishing", 100.0)
     history = [e.data["stage"] for e in store.events(op.id) if e.kind == "stage"]
     assert history == ["fetching", "verifying", "converting", "publishing"]
+
+
+@pytest.mark.slow
+def test_worker_killed_mid_download_is_resumed_by_another(env, tmp_path):
+    store, artifacts, cfg = env["store"], env["artifacts"], env["config"]
+    archive = samples.build_archive(tmp_path / "big.tar", env["base"], rank=256, compression=None, seed=6)
+    data = archive.read_bytes()
+    slow = _SlowArchive(data, chunk=32 << 10, pause=0.02)
+    try:
+        op, _ = store.create(request(env, source={"uri": slow.url, "sha256": hashlib.sha256(data).hexdigest()}))
+        proc = subprocess.Popen([sys.executable, "-c", WORKER_SCRIPT, store.url, str(artifacts.root), str(cfg.work_dir)], cwd=ROOT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while (store.get(op.id).bytes_done or 0) < len(data) // 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        from exporter.fetch import ArchiveCache
+
+        partial = ArchiveCache(cfg.work_dir / "cache").partial_for(slow.url)
+        kept = partial.stat().st_size
+        assert 0 < kept < len(data), "the killed worker left a partial download"
+        time.sleep(2.5)  # its lease runs out
+        slow.pause = 0
+        done = Worker(store, artifacts, cfg, "w2").run_once()
+        assert done.status == "succeeded" and done.attempts == 2
+    finally:
+        slow.close()
