@@ -69,9 +69,18 @@ def test_usage_errors(tmp_path, archive):
 
 @pytest.mark.slow
 def test_demo(tmp_path):
+    """The main job: sample model and archive, every format through the store and an in-process worker."""
+    from exporter.store import Store, sqlite_url
+
     r = cli("demo", "--dir", tmp_path / "demo")
     assert r.returncode == 0, r.stdout + r.stderr
-    for fmt in ("merged-safetensors", "lora-adapter", "gguf", "gguf-lora"):
-        assert (tmp_path / "demo" / "exports" / fmt / "nucleus-export.json").is_file()
+    formats = ("merged-safetensors", "lora-adapter", "gguf", "gguf-lora")
+    for fmt in formats:
         assert f"✓ {fmt}" in r.stdout
-    assert "verification: passed" in r.stdout
+    assert r.stdout.count("verification: passed") == len(formats)
+    store = Store(sqlite_url(tmp_path / "demo" / "service" / "operations.db"))
+    ops, _ = store.list(limit=10)
+    assert sorted(op.format for op in ops) == sorted(formats) and all(op.status == "succeeded" for op in ops)
+    for op in ops:
+        assert (tmp_path / "demo" / "service" / "artifacts" / "exports" / op.id / "nucleus-export.json").is_file()
+    store.close()
