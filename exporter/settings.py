@@ -37,7 +37,7 @@ class Settings:
     verify_max_params: int = 2_000_000_000
     # signed URLs: "kid:secret,kid2:secret2" (the first signs; all verify). Empty: a random
     # key is created once in data_dir/signing.key (mode 0600). Never logged.
-    signing_keys: str | None = None
+    signing_keys: str | None = field(default=None, repr=False)  # a secret: never in reprs or logs
     public_base_url: str = "http://127.0.0.1:8000"
     url_ttl_seconds: int = 7 * 24 * 3600
     lease_seconds: float = 60.0
