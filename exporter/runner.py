@@ -287,3 +287,15 @@ class Worker:
             signed = self.artifacts.signed_url(key, self.config.url_ttl_seconds)
             files.append({"name": f["name"], "url": signed.url, "size": f["size"], "sha256": f["sha256"], "expires_at": signed.expires_at.isoformat()})
         return {"format": req["format"], "destination": dest, "files": files}
+
+
+def fresh_urls(store: Store, artifacts, op_id: str, ttl_seconds: int) -> dict:
+    """New signed URLs for a finished signed-url export, without exporting again."""
+    op = store.get(op_id)
+    if op.status != "succeeded" or not op.result or op.result.get("destination") != "signed-url":
+        raise ExportError(E.INVALID_TRANSITION, f"operation {op_id} has no downloadable files ({op.status}).", field="id")
+    files = []
+    for f in op.result["files"]:
+        signed = artifacts.signed_url(f"exports/{op.id}/{f['name']}", ttl_seconds)
+        files.append({**f, "url": signed.url, "expires_at": signed.expires_at.isoformat()})
+    return {**op.result, "files": files}

@@ -16,6 +16,7 @@ from urllib.parse import parse_qsl, urlsplit
 import pytest
 
 from converters import errors as E
+from converters.errors import ExportError
 from converters import samples
 from exporter.artifacts import LocalStore
 from exporter.runner import RunnerConfig, Worker
@@ -314,3 +315,20 @@ def test_worker_killed_mid_download_is_resumed_by_another(env, tmp_path):
         assert done.status == "succeeded" and done.attempts == 2
     finally:
         slow.close()
+
+
+def test_fresh_urls_without_exporting_again(env):
+    from exporter.runner import fresh_urls
+
+    store, artifacts = env["store"], env["artifacts"]
+    op, _ = store.create(request(env, fmt="lora-adapter"))
+    done = Worker(store, artifacts, env["config"], "w1").run_once()
+    again = fresh_urls(store, artifacts, op.id, 60)
+    assert [f["name"] for f in again["files"]] == [f["name"] for f in done.result["files"]]
+    for old, new in zip(done.result["files"], again["files"]):
+        assert new["expires_at"] < old["expires_at"] and new["sha256"] == old["sha256"]
+        assert hashlib.sha256(download(artifacts, new["url"])).hexdigest() == new["sha256"]
+    queued, _ = store.create(request(env, run_id="other"))
+    with pytest.raises(ExportError) as ei:
+        fresh_urls(store, artifacts, queued.id, 60)
+    assert ei.value.code == E.INVALID_TRANSITION
