@@ -15,11 +15,10 @@ from .archive import Checkpoint, open_checkpoint
 from .base_model import resolve_base
 from .errors import ExportError, InputError, InternalError
 from .execute import execute, fsync_dir
+from .io.files import check_free_space
 from .formats.base import ConvertContext, ConvertOptions
 from .manifest import MANIFEST_NAME, OutputManifest
 from .progress import ProgressEvent, ProgressFn, silent
-
-_DISK_MARGIN = 64 << 20
 
 
 def _check_output(out: Path, overwrite: bool) -> None:
@@ -27,13 +26,6 @@ def _check_output(out: Path, overwrite: bool) -> None:
         raise InputError(E.OUTPUT_EXISTS, f"{out} already exists; choose another output path or pass --overwrite.", field="output")
     if not out.parent.exists():
         raise InputError(E.INVALID_OPTION, f"the parent directory of {out} does not exist; create it first.", field="output")
-
-
-def _check_space(directory: Path, need: int) -> None:
-    st = os.statvfs(directory)
-    free = st.f_bavail * st.f_frsize
-    if free < need + _DISK_MARGIN:
-        raise ExportError(E.DISK_FULL, f"{directory} has {free >> 20} MiB free but the export needs {(need + _DISK_MARGIN) >> 20} MiB; free some space or write elsewhere.")
 
 
 def _place(tmp: Path, out: Path, durable: bool) -> None:
@@ -93,7 +85,7 @@ def convert(
         progress(ProgressEvent("planning", 0, 0))
         plan = converter.plan(ctx)
         plan.validate(str(adapter.path) if adapter else None, adapter.tensor_names if adapter else set())
-        _check_space(out.parent, plan.total_bytes)
+        check_free_space(out.parent, plan.total_bytes, "the export")
 
         tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
         tmp.mkdir()

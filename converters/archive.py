@@ -22,6 +22,7 @@ from pathlib import Path, PurePosixPath
 
 from . import errors as E
 from .errors import InputError
+from .io.files import sha256_file
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -208,14 +209,6 @@ def _find_root(d: Path) -> Path:
     return d
 
 
-def _sha256_file(p: Path) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        while b := f.read(_CHUNK):
-            h.update(b)
-    return h.hexdigest()
-
-
 def _load_json(p: Path, code: str, what: str) -> dict:
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
@@ -239,7 +232,7 @@ def _check_meta(root: Path, meta: dict) -> None:
             raise InputError(E.ARCHIVE_MISSING_FILE, f"checkpoint.json lists {name!r} but the checkpoint does not contain it.")
         if "size" in spec and p.stat().st_size != spec["size"]:
             raise InputError(E.ARCHIVE_SIZE_MISMATCH, f"{name!r} is {p.stat().st_size} bytes but checkpoint.json says {spec['size']}; the checkpoint is corrupt.")
-        if "sha256" in spec and _sha256_file(p) != str(spec["sha256"]).lower():
+        if "sha256" in spec and sha256_file(p) != str(spec["sha256"]).lower():
             raise InputError(E.ARCHIVE_CHECKSUM_MISMATCH, f"{name!r} does not match its sha256 in checkpoint.json; the checkpoint is corrupt.")
 
 

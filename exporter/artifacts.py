@@ -27,6 +27,7 @@ from urllib.parse import quote, urlencode
 
 from converters import errors as E
 from converters.errors import ExportError
+from converters.io.files import sha256_file
 
 S3_MAX_EXPIRY = 7 * 24 * 3600
 _CHUNK = 1 << 20
@@ -131,12 +132,9 @@ class LocalStore:
             cached_stamp, _, digest = side.read_text().partition(" ")
             if cached_stamp == stamp:
                 return f'"{digest}"'
-        h = hashlib.sha256()
-        with open(p, "rb") as f:
-            while b := f.read(_CHUNK):
-                h.update(b)
-        side.write_text(f"{stamp} {h.hexdigest()}")
-        return f'"{h.hexdigest()}"'
+        digest = sha256_file(p)
+        side.write_text(f"{stamp} {digest}")
+        return f'"{digest}"'
 
     def serve(self, method: str, path: str, query: dict[str, str], headers: dict[str, str], *, now: float | None = None) -> Response:
         """Answer a download request: 200/206/416, 403 bad signature, 410 expired, 404 missing."""

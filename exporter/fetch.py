@@ -21,9 +21,9 @@ from urllib.parse import unquote, urlparse
 
 from converters import errors as E
 from converters.errors import ExportError
+from converters.io.files import check_free_space, sha256_file
 
 _CHUNK = 256 << 10  # also the progress granularity of a download
-_MARGIN = 64 << 20
 
 ProgressFn = Callable[[int, int], None]  # bytes done, bytes total (0: unknown)
 
@@ -61,27 +61,12 @@ class ArchiveCache:
         return dst
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(_CHUNK):
-            h.update(b)
-    return h.hexdigest()
-
-
-def _check_space(directory: Path, need: int) -> None:
-    st = os.statvfs(directory)
-    free = st.f_bavail * st.f_frsize
-    if need and free < need + _MARGIN:
-        raise ExportError(E.DISK_FULL, f"{directory} has {free >> 20} MiB free but the archive needs {(need + _MARGIN) >> 20} MiB; free some space and retry.")
-
-
 def _finish(cache: ArchiveCache, part: Path, expected_sha256: str | None, expected_size: int | None) -> Fetched:
     size = part.stat().st_size
     if expected_size is not None and size != expected_size:
         part.unlink(missing_ok=True)
         raise ExportError(E.ARCHIVE_SIZE_MISMATCH, f"the downloaded archive is {size} bytes but {expected_size} were expected; it was discarded.")
-    sha = _sha256(part)
+    sha = sha256_file(part)
     if expected_sha256 and sha != expected_sha256.lower():
         part.unlink(missing_ok=True)
         raise ExportError(E.ARCHIVE_CHECKSUM_MISMATCH, "the downloaded archive does not match its expected sha256; it was discarded.")
@@ -107,7 +92,7 @@ def _fetch_file(uri: str, cache: ArchiveCache, expected_sha256, expected_size) -
     path = Path(unquote(urlparse(uri).path) if uri.startswith("file://") else uri)
     if not path.is_file():
         raise ExportError(E.FETCH_NOT_FOUND, f"{path} does not exist or is not a file.", field="uri")
-    _check_space(cache.root, path.stat().st_size)
+    check_free_space(cache.root, path.stat().st_size, "the archive")
     part = cache.partial_for(uri)
     shutil.copyfile(path, part)  # a private copy: the source may change or vanish later
     return _finish(cache, part, expected_sha256, expected_size)
@@ -197,7 +182,7 @@ def _fetch_ranged(uri: str, cache: ArchiveCache, source, expected_sha256, expect
     if size and have > size:
         part.unlink()
         have = 0
-    _check_space(cache.root, max(0, (size or expected_size or 0) - have))
+    check_free_space(cache.root, max(0, (size or expected_size or 0) - have), "the archive")
     resumed, chunks = source.read(have, validator)
     done = have if resumed else 0
     with open(part, "ab" if resumed else "wb") as f:

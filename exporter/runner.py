@@ -16,7 +16,6 @@ until the attempts run out.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import multiprocessing as mp
 import random
@@ -29,6 +28,7 @@ from pathlib import Path
 
 from converters import errors as E
 from converters.errors import ExportError
+from converters.io.files import sha256_file
 from converters.manifest import MANIFEST_NAME
 
 from .artifacts import LocalStore
@@ -53,14 +53,6 @@ class Cancelled(Exception):
     pass
 
 
-def _sha256(p: Path) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        while b := f.read(1 << 20):
-            h.update(b)
-    return h.hexdigest()
-
-
 def output_is_valid(out: Path) -> bool:
     """A converted output is reusable only if its manifest lists it exactly and every hash matches."""
     mf = out / MANIFEST_NAME
@@ -71,7 +63,7 @@ def output_is_valid(out: Path) -> bool:
     except (ValueError, KeyError):
         return False
     present = {p.name for p in out.iterdir()} - {MANIFEST_NAME}
-    return present == {f["name"] for f in files} and all((out / f["name"]).stat().st_size == f["size"] and _sha256(out / f["name"]) == f["sha256"] for f in files)
+    return present == {f["name"] for f in files} and all((out / f["name"]).stat().st_size == f["size"] and sha256_file(out / f["name"]) == f["sha256"] for f in files)
 
 
 # --- the conversion child -------------------------------------------------------------------
@@ -280,9 +272,9 @@ class Worker:
             raise ExportError(E.DESTINATION_UNSUPPORTED, f"destination {dest!r} is not available yet; use signed-url.", field="destination")
         manifest = json.loads((out / MANIFEST_NAME).read_text())
         files = []
-        for f in [*manifest["files"], {"name": MANIFEST_NAME, "size": (out / MANIFEST_NAME).stat().st_size, "sha256": _sha256(out / MANIFEST_NAME)}]:
+        for f in [*manifest["files"], {"name": MANIFEST_NAME, "size": (out / MANIFEST_NAME).stat().st_size, "sha256": sha256_file(out / MANIFEST_NAME)}]:
             key = f"exports/{op.id}/{f['name']}"
-            if not (isinstance(self.artifacts, LocalStore) and self.artifacts.exists(key) and _sha256(self.artifacts.path(key)) == f["sha256"]):
+            if not (isinstance(self.artifacts, LocalStore) and self.artifacts.exists(key) and sha256_file(self.artifacts.path(key)) == f["sha256"]):
                 self.artifacts.put_file(out / f["name"], key)  # idempotent: same key, same bytes
             signed = self.artifacts.signed_url(key, self.config.url_ttl_seconds)
             files.append({"name": f["name"], "url": signed.url, "size": f["size"], "sha256": f["sha256"], "expires_at": signed.expires_at.isoformat()})
