@@ -145,15 +145,21 @@ _COMMON_HPARAMS = (
 class GgufSpec:
     arch: str  # llama.cpp architecture name
     hparams: tuple[HParam, ...] = _COMMON_HPARAMS
-    # llama-style rotary embedding: GGUF stores q/k rows of each head interleaved
-    # (convert_hf_to_gguf's permute), NEOX-style families do not.
-    permute_qk: bool = False
+    # llama-style rotary embedding: GGUF stores the q/k rows of each head
+    # interleaved (convert_hf_to_gguf's permute); NEOX-style families permute
+    # nothing. Layer module -> config keys giving its head count, first present wins.
+    permuted: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # rope scaling types this family can export, and how (None = nothing to write)
     rope_scaling: tuple[str, ...] = ("default",)
     vocab_size_key: bool = False  # llama writes {arch}.vocab_size and rope.dimension_count
 
 
-_LLAMA_GGUF = GgufSpec("llama", permute_qk=True, rope_scaling=("default", "llama3"), vocab_size_key=True)
+_LLAMA_GGUF = GgufSpec(
+    "llama",
+    permuted={"self_attn.q_proj": ("num_attention_heads",), "self_attn.k_proj": ("num_key_value_heads", "num_attention_heads")},
+    rope_scaling=("default", "llama3"),
+    vocab_size_key=True,
+)
 _QWEN3MOE_GGUF = GgufSpec(
     "qwen3moe",
     hparams=_COMMON_HPARAMS + (
@@ -216,6 +222,17 @@ def family_for(config: dict) -> Family:
         E.UNSUPPORTED_ARCHITECTURE,
         f"architecture {model_type or archs or 'unknown'!s} is not supported; supported families: {', '.join(supported())}.",
     )
+
+
+def rope_permutation(spec: GgufSpec, module: str, config: dict):
+    """The GGUF row Transform for a layer module's output rows, or None."""
+    keys = spec.permuted.get(module)
+    if not keys:
+        return None
+    from .plan import Transform
+
+    heads = next(int(config[k]) for k in keys if config.get(k))
+    return Transform("permute_qk", heads)
 
 
 def config_value(config: dict, dotted: str):

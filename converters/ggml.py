@@ -61,13 +61,21 @@ def _threads() -> int:
     return max(1, len(os.sched_getaffinity(0)))
 
 
-def quantize_rows(type_name: str, rows: np.ndarray, out: np.ndarray) -> int:
-    """Quantize a C-contiguous float32 [n, cols] array into ``out`` (uint8); returns bytes written."""
+@functools.lru_cache(maxsize=None)
+def _prepared(type_name: str) -> int:
+    """The ggml type id, checked and initialised once per type (not per block)."""
     lib = _lib()
     t = int(ggml_type(type_name))
     if lib.ggml_quantize_requires_imatrix(t):
         raise ExportError(E.INVALID_OPTION, f"{type_name} needs an importance matrix, which this exporter does not compute; choose a K-quant mix instead.")
     lib.ggml_quantize_init(t)
+    return t
+
+
+def quantize_rows(type_name: str, rows: np.ndarray, out: np.ndarray) -> int:
+    """Quantize a C-contiguous float32 [n, cols] array into ``out`` (uint8); returns bytes written."""
+    lib = _lib()
+    t = _prepared(type_name)
     n, cols = rows.shape
     rb = row_bytes(type_name, cols)
     assert rows.dtype == np.float32 and rows.flags.c_contiguous and out.nbytes >= n * rb

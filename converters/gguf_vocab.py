@@ -235,6 +235,7 @@ def _end_of_generation(v: Vocab, model_dir: Path, config: dict, notes: list[str]
             continue
         if not slots:
             raise InputError(E.BASE_INVALID, f"generation_config.json stops on more end-of-turn ids than GGUF can carry (eos, eot, eom); id {tid} would not stop generation in llama.cpp.")
-        v.special[slots.pop(0)] = tid
+        slot = slots.pop(0)
+        v.special[slot] = tid
         covered.add(tid)
-        notes.append(f"end-of-generation id {tid} ({v.tokens[tid]!r}) written as {list(v.special)[-1]}_token_id")
+        notes.append(f"end-of-generation id {tid} ({v.tokens[tid]!r}) written as {slot}_token_id")

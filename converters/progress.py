@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -12,10 +12,6 @@ class ProgressEvent:
     done: int  # bytes done in this stage
     total: int  # bytes in this stage (0 when unknown)
     message: str = ""
-
-
-class Progress(Protocol):
-    def __call__(self, event: ProgressEvent) -> None: ...
 
 
 def silent(event: ProgressEvent) -> None:

@@ -19,7 +19,7 @@ from gguf import GGUFValueType
 
 from .. import errors as E
 from .. import gguf_vocab
-from ..arch import GGUF_DROPPED, GGUF_EXPERT_NAMES, GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, config_value, rope_parameters
+from ..arch import GGUF_DROPPED, GGUF_EXPERT_NAMES, GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, config_value, rope_parameters, rope_permutation
 from ..errors import InputError
 from ..gguf_quant import ModelFacts, quant_type, tensor_types
 from ..io.gguf_file import KV, kv_f32, kv_string, kv_u32
@@ -78,7 +78,6 @@ class Gguf(Converter):
         q = quant_type(opts.quant)
         ops = ops_by_tensor(ctx.adapter, base) if ctx.adapter else {}
         n_head = int(cfg["num_attention_heads"])
-        n_kv = int(cfg.get("num_key_value_heads") or n_head)
         head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n_head)
         rope = rope_parameters(cfg)
         if rope["rope_type"] not in spec.rope_scaling:
@@ -99,10 +98,9 @@ class Gguf(Converter):
             key = m.group(2) if m else None
             if m and key in GGUF_LAYER_NAMES:
                 gname = f"blk.{m.group(1)}.{GGUF_LAYER_NAMES[key]}"
-                transform = None
-                if spec.permute_qk and key in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
-                    transform = Transform("permute_qk", n_head if "q_proj" in key else n_kv)
-                elif spec.permute_qk and key in ("self_attn.q_proj.bias", "self_attn.k_proj.bias"):
+                module, _, param = key.rpartition(".")
+                transform = rope_permutation(spec, module, cfg)
+                if transform is not None and param == "bias":
                     raise InputError(E.UNSUPPORTED_ARCHITECTURE, "llama-style models with q/k biases cannot be exported to GGUF yet.")
                 pending.append((gname, info.shape, (src(name),), transform))
             elif fam.moe and (pe := fam.moe.match_per_expert(name)):

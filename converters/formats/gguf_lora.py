@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .. import errors as E
-from ..arch import GGUF_EXPERT_NAMES, GGUF_LAYER_NAMES
+from ..arch import GGUF_EXPERT_NAMES, GGUF_LAYER_NAMES, rope_permutation
 from ..errors import InputError
 from ..io.gguf_file import kv_f32, kv_string, kv_u32
-from ..plan import FilePlan, Plan, TensorPlan, Transform
+from ..plan import FilePlan, Plan, TensorPlan
 from ..targets import matrix, num_experts, placements
 from .base import ConvertContext, Converter
 
@@ -37,8 +37,6 @@ class GgufLora(Converter):
             raise InputError(E.INVALID_OPTION, f"a GGUF LoRA is written as f32, f16 or bf16, not {ctx.options.quant}.", field="quant")
         placements(ctx.adapter, base)  # same target and shape checks as merging
         path = str(ctx.adapter.path)
-        n_head = int(cfg["num_attention_heads"])
-        n_kv = int(cfg.get("num_key_value_heads") or n_head)
         alpha = float(ctx.adapter.config["lora_alpha"])
 
         tensors: list[TensorPlan] = []
@@ -48,9 +46,7 @@ class GgufLora(Converter):
             if m.kind == "linear":
                 key = f"{m.module}.weight"
                 gname = f"blk.{m.layer}.{GGUF_LAYER_NAMES[key]}"
-                transform = None
-                if spec.permute_qk and m.module in ("self_attn.q_proj", "self_attn.k_proj"):
-                    transform = Transform("permute_qk", n_head if m.module.endswith("q_proj") else n_kv)
+                transform = rope_permutation(spec, m.module, cfg)  # lora_b's rows are the module's output rows
                 a, b = matrix(path, m.a), matrix(path, m.b)
                 tensors.append(TensorPlan(f"{gname}.lora_a", out_type, (a.rows, a.cols), (a,)))
                 tensors.append(TensorPlan(f"{gname}.lora_b", out_type, (b.rows, b.cols), (b,), transform=transform, scale=fold))
