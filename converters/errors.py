@@ -108,6 +108,12 @@ ARTIFACT_NOT_FOUND = _code("artifact_not_found", "input", "no artifact is stored
 # job runner
 CONVERSION_CRASHED = _code("conversion_crashed", "transient", "the conversion process died (out of memory, or a crash)")
 DESTINATION_UNSUPPORTED = _code("destination_unsupported", "input", "the export destination is not available")
+HUB_REPO_INVALID = _code("hub_repo_invalid", "input", "hf_repo is not a valid Hugging Face repo id (namespace/name)")
+HUB_UNAUTHORIZED = _code("hub_unauthorized", "input", "the Hugging Face Hub token is missing, invalid or expired")
+HUB_FORBIDDEN = _code("hub_forbidden", "input", "the Hub token may not write to this repo or namespace")
+HUB_REJECTED = _code("hub_rejected", "input", "the Hub refused the repo, branch or commit (4xx)")
+HUB_UNAVAILABLE = _code("hub_unavailable", "transient", "the Hub is unreachable, rate-limiting (429) or failing (5xx)")
+SECRET_NOT_FOUND = _code("secret_not_found", "input", "a secret reference names no configured secret")
 # runtime
 VERIFY_FAILED = _code("verify_failed", "internal", "the exported model's outputs differ from the reference")
 DISK_FULL = _code("disk_full", "transient", "not enough disk space")

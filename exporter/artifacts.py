@@ -80,6 +80,8 @@ class LocalStore:
         """Copy a file in atomically (temp + rename)."""
         dst = self.path(key)
         dst.parent.mkdir(parents=True, exist_ok=True)
+        for stale in dst.parent.glob(f".{dst.name}.tmp-*"):  # a copy cut short by a killed worker
+            stale.unlink(missing_ok=True)
         tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
         shutil.copyfile(src, tmp)
         os.replace(tmp, dst)
@@ -87,6 +89,10 @@ class LocalStore:
 
     def exists(self, key: str) -> bool:
         return self.path(key).is_file()
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Remove every artifact under ``prefix`` (a folder key such as ``exports/op_…``)."""
+        shutil.rmtree(self.path(prefix), ignore_errors=True)
 
     # --- signing ---------------------------------------------------------------------------
 
@@ -223,6 +229,13 @@ class S3Store:
             return True
         except botocore.exceptions.ClientError:
             return False
+
+    def delete_prefix(self, prefix: str) -> None:
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix).rstrip("/") + "/")
+        for page in pages:
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys})
 
     def signed_url(self, key: str, ttl_seconds: int, *, now: float | None = None) -> SignedUrl:
         ttl = min(int(ttl_seconds), S3_MAX_EXPIRY)

@@ -23,7 +23,7 @@ import shutil
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from converters import errors as E
@@ -31,8 +31,9 @@ from converters.errors import ExportError
 from converters.io.files import sha256_file
 from converters.manifest import MANIFEST_NAME
 
-from .artifacts import LocalStore
 from .fetch import ArchiveCache, fetch
+from .publish import PublishContext, preflight, publish
+from .publish.signed_url import fresh_urls as _fresh_urls
 from .store import Operation, Store
 
 
@@ -47,6 +48,11 @@ class RunnerConfig:
     url_ttl_seconds: int = 7 * 24 * 3600
     model_store: str | None = None
     s3_endpoint_url: str | None = None
+    hf_endpoint: str | None = None
+    hf_token: str | None = field(default=None, repr=False)  # a secret: never in reprs or logs
+    secrets_dir: Path | None = None
+    hub_retries: int = 4
+    hub_backoff_base: float = 1.0
 
 
 class Cancelled(Exception):
@@ -115,7 +121,7 @@ class Worker:
             try:
                 self._run(op)
             except Cancelled:
-                self._cleanup(op.id)
+                self._cleanup(op.id, published=True)
                 self._finish_cancel(op.id)
             except ExportError as exc:
                 self._failed(op, exc)
@@ -161,7 +167,7 @@ class Worker:
     def _failed(self, op: Operation, exc: ExportError) -> None:
         current = self.store.get(op.id)
         if current.status == "cancelling":
-            self._cleanup(op.id)
+            self._cleanup(op.id, published=True)
             self._finish_cancel(op.id)
             return
         if exc.code == E.LEASE_LOST or current.worker_id != self.worker_id:
@@ -181,13 +187,16 @@ class Worker:
     def _job_dir(self, op_id: str) -> Path:
         return self.config.work_dir / "jobs" / op_id
 
-    def _cleanup(self, op_id: str) -> None:
+    def _cleanup(self, op_id: str, published: bool = False) -> None:
         shutil.rmtree(self._job_dir(op_id), ignore_errors=True)
+        if published:  # a cancel during publishing: no half-published export stays behind
+            self.artifacts.delete_prefix(f"exports/{op_id}")
 
     # --- stages -----------------------------------------------------------------------------
 
     def _run(self, op: Operation) -> None:
         req = op.request
+        preflight(req, self._publish_context())  # a bad destination fails before any download or conversion
         self.store.set_stage(op.id, "fetching", self.worker_id)
         src = req.get("source") or {}
         if not src.get("uri"):
@@ -265,20 +274,19 @@ class Worker:
         if outcome[0] == "error":
             raise ExportError(outcome[1], outcome[2])
 
+    def _publish_context(self) -> PublishContext:
+        c = self.config
+        return PublishContext(self.artifacts, c.url_ttl_seconds, hf_endpoint=c.hf_endpoint, hf_token=c.hf_token, secrets_dir=c.secrets_dir,
+                              hub_retries=c.hub_retries, hub_backoff_base=c.hub_backoff_base)
+
     def _publish(self, op: Operation, out: Path) -> dict:
-        req = op.request
-        dest = req.get("destination", "signed-url")
-        if dest != "signed-url":
-            raise ExportError(E.DESTINATION_UNSUPPORTED, f"destination {dest!r} is not available yet; use signed-url.", field="destination")
-        manifest = json.loads((out / MANIFEST_NAME).read_text())
-        files = []
-        for f in [*manifest["files"], {"name": MANIFEST_NAME, "size": (out / MANIFEST_NAME).stat().st_size, "sha256": sha256_file(out / MANIFEST_NAME)}]:
-            key = f"exports/{op.id}/{f['name']}"
-            if not (isinstance(self.artifacts, LocalStore) and self.artifacts.exists(key) and sha256_file(self.artifacts.path(key)) == f["sha256"]):
-                self.artifacts.put_file(out / f["name"], key)  # idempotent: same key, same bytes
-            signed = self.artifacts.signed_url(key, self.config.url_ttl_seconds)
-            files.append({"name": f["name"], "url": signed.url, "size": f["size"], "sha256": f["sha256"], "expires_at": signed.expires_at.isoformat()})
-        return {"format": req["format"], "destination": dest, "files": files}
+        ctx = self._publish_context()
+
+        def progress(done: int, total: int, message: str) -> None:
+            self._check_cancel()
+            self.store.progress(op.id, bytes_done=done, bytes_total=total, message=message)
+
+        return publish(op, out, ctx, progress)
 
 
 def fresh_urls(store: Store, artifacts, op_id: str, ttl_seconds: int) -> dict:
@@ -286,8 +294,4 @@ def fresh_urls(store: Store, artifacts, op_id: str, ttl_seconds: int) -> dict:
     op = store.get(op_id)
     if op.status != "succeeded" or not op.result or op.result.get("destination") != "signed-url":
         raise ExportError(E.INVALID_TRANSITION, f"operation {op_id} has no downloadable files ({op.status}).", field="id")
-    files = []
-    for f in op.result["files"]:
-        signed = artifacts.signed_url(f"exports/{op.id}/{f['name']}", ttl_seconds)
-        files.append({**f, "url": signed.url, "expires_at": signed.expires_at.isoformat()})
-    return {**op.result, "files": files}
+    return _fresh_urls(op, artifacts, ttl_seconds)

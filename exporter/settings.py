@@ -44,13 +44,22 @@ class Settings:
     heartbeat_seconds: float = 10.0
     max_attempts: int = 3
     s3_endpoint_url: str | None = None
+    # where archives and exports live: empty for data_dir/artifacts, or s3://bucket/prefix
+    artifact_store: str | None = None
+    # the Hugging Face Hub: endpoint (empty for huggingface.co) and the server's write token
+    hf_endpoint: str | None = None
+    hf_token: str | None = field(default=None, repr=False)  # a secret: never in reprs or logs
+    # per-request secret references (secret:NAME) resolve to files in this directory
+    # or to NUCLEUS_EXPORT_SECRET_<NAME> variables
+    secrets_dir: Path | None = None
+    hub_retries: int = 4
 
     @classmethod
     def from_env(cls) -> "Settings":
         values = {}
         for f in fields(cls):
             default = getattr(cls(), f.name)
-            cast = {"data_dir": Path, "model_store": str, "hf_offline": bool, "database_url": str, "signing_keys": str, "s3_endpoint_url": str}.get(f.name, type(default))
+            cast = {"data_dir": Path, "secrets_dir": Path, "hf_offline": bool}.get(f.name, str if default is None else type(default))
             values[f.name] = _env(f.name, default, cast)
         return cls(**values)
 
@@ -75,6 +84,25 @@ class Settings:
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_urlsafe(32))
         return {"local": path.read_text().strip().encode()}
+
+    def artifacts(self):
+        """The artifact store these settings name."""
+        from .artifacts import LocalStore, S3Store
+
+        if self.artifact_store:
+            if not self.artifact_store.startswith("s3://"):
+                raise ValueError("NUCLEUS_EXPORT_ARTIFACT_STORE must be empty (a local folder) or s3://bucket/prefix")
+            bucket, _, prefix = self.artifact_store[5:].partition("/")
+            return S3Store(bucket, prefix, endpoint_url=self.s3_endpoint_url)
+        return LocalStore(self.data_dir / "artifacts", self.signing_key_map(), base_url=self.public_base_url)
+
+    def runner_config(self):
+        from .runner import RunnerConfig
+
+        return RunnerConfig(work_dir=self.data_dir / "work", lease_seconds=self.lease_seconds, heartbeat_seconds=self.heartbeat_seconds,
+                            max_attempts=self.max_attempts, url_ttl_seconds=self.url_ttl_seconds, model_store=self.model_store,
+                            s3_endpoint_url=self.s3_endpoint_url, hf_endpoint=self.hf_endpoint, hf_token=self.hf_token,
+                            secrets_dir=self.secrets_dir, hub_retries=self.hub_retries)
 
     def archive_limits(self) -> ArchiveLimits:
         return ArchiveLimits(

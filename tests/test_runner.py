@@ -295,7 +295,8 @@ def test_worker_killed_mid_download_is_resumed_by_another(env, tmp_path):
     store, artifacts, cfg = env["store"], env["artifacts"], env["config"]
     archive = samples.build_archive(tmp_path / "big.tar", env["base"], rank=256, compression=None, seed=6)
     data = archive.read_bytes()
-    slow = _SlowArchive(data, chunk=32 << 10, pause=0.02)
+    slow = _SlowArchive(data, chunk=16 << 10, pause=0.05)
+    assert len(data) // (16 << 10) * 0.05 > 4, "the download lasts several progress intervals, so the kill lands mid-way"
     try:
         op, _ = store.create(request(env, source={"uri": slow.url, "sha256": hashlib.sha256(data).hexdigest()}))
         proc = subprocess.Popen([sys.executable, "-c", WORKER_SCRIPT, store.url, str(artifacts.root), str(cfg.work_dir)], cwd=ROOT, start_new_session=True)
@@ -332,3 +333,73 @@ def test_fresh_urls_without_exporting_again(env):
     with pytest.raises(ExportError) as ei:
         fresh_urls(store, artifacts, queued.id, 60)
     assert ei.value.code == E.INVALID_TRANSITION
+
+
+PAUSING_WORKER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from exporter.artifacts import LocalStore
+    from exporter.runner import RunnerConfig, Worker
+    from exporter.store import Store
+    db, art, work, pause_in = sys.argv[1:5]
+    set_stage, put_file = Store.set_stage, LocalStore.put_file
+
+    def pausing_set_stage(self, op_id, stage, worker_id):
+        op = set_stage(self, op_id, stage, worker_id)
+        if stage == pause_in == "verifying":
+            time.sleep(3600)  # killed in here
+        return op
+
+    def pausing_put_file(self, src, key):
+        out = put_file(self, src, key)
+        if pause_in == "publishing":
+            time.sleep(3600)  # killed after the first file was published, before the rest
+        return out
+
+    Store.set_stage, LocalStore.put_file = pausing_set_stage, pausing_put_file
+    cfg = RunnerConfig(work_dir=Path(work), lease_seconds=2, heartbeat_seconds=0.5)
+    Worker(Store(db), LocalStore(art, {"k1": b"test-secret"}), cfg, "doomed").run_once()
+""")
+
+
+def _without_created_at(manifest: bytes) -> dict:
+    d = json.loads(manifest)
+    d.pop("created_at"), d.pop("path")  # when and where (each operation's own job folder) it was written
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["verifying", "publishing"])
+def test_worker_killed_during_a_stage_is_resumed_exactly_once(env, stage):
+    store, artifacts, cfg = env["store"], env["artifacts"], env["config"]
+    reference, _ = store.create(request(env), idempotency_key="undisturbed")
+    ref = Worker(store, artifacts, cfg, "w0").run_once()
+    op, _ = store.create(request(env), idempotency_key="disturbed")
+    proc = subprocess.Popen([sys.executable, "-c", PAUSING_WORKER, store.url, str(artifacts.root), str(cfg.work_dir), stage], cwd=ROOT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    published = artifacts.root / "exports" / op.id
+    while time.monotonic() < deadline:
+        current = store.get(op.id)
+        if current.stage == stage and (stage != "publishing" or (published.exists() and any(not p.name.startswith(".") for p in published.iterdir()))):
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert store.get(op.id).stage == stage
+    if stage == "publishing":
+        assert len([p for p in published.iterdir() if not p.name.startswith(".")]) == 1, "killed half-way through publishing"
+    time.sleep(2.5)  # the dead worker's lease runs out
+    done = Worker(store, artifacts, cfg, "w2").run_once()
+    assert done.status == "succeeded" and done.attempts == 2
+    finished = [e for e in store.events(op.id) if e.kind == "status" and e.data["to"] == "succeeded"]
+    assert len(finished) == 1, "finished exactly once"
+    ref_files = {f["name"]: f["sha256"] for f in ref.result["files"]}
+    got_files = {f["name"]: f["sha256"] for f in done.result["files"]}
+    assert sorted(p.name for p in published.iterdir()) == sorted(got_files)
+    for name in got_files:
+        data = download(artifacts, next(f["url"] for f in done.result["files"] if f["name"] == name))
+        if name == "nucleus-export.json":
+            ref_data = download(artifacts, next(f["url"] for f in ref.result["files"] if f["name"] == name))
+            assert _without_created_at(data) == _without_created_at(ref_data)
+        else:
+            assert hashlib.sha256(data).hexdigest() == ref_files[name] == got_files[name], name

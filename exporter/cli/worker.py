@@ -22,16 +22,11 @@ def register(sub) -> None:
 
 
 def build_worker(settings: Settings, worker_id: str | None = None):
-    from ..artifacts import LocalStore
-    from ..runner import RunnerConfig, Worker
+    from ..runner import Worker
     from ..store import Store
 
     store = Store(settings.store_url())
-    artifacts = LocalStore(settings.data_dir / "artifacts", settings.signing_key_map(), base_url=settings.public_base_url)
-    config = RunnerConfig(work_dir=settings.data_dir / "work", lease_seconds=settings.lease_seconds, heartbeat_seconds=settings.heartbeat_seconds,
-                          max_attempts=settings.max_attempts, url_ttl_seconds=settings.url_ttl_seconds, model_store=settings.model_store,
-                          s3_endpoint_url=settings.s3_endpoint_url)
-    return Worker(store, artifacts, config, worker_id or f"{socket.gethostname()}:{os.getpid()}")
+    return Worker(store, settings.artifacts(), settings.runner_config(), worker_id or f"{socket.gethostname()}:{os.getpid()}")
 
 
 @guarded
