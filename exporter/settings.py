@@ -1,6 +1,8 @@
-"""Typed settings in one place. Values come from NUCLEUS_EXPORT_* environment variables.
+"""Typed settings in one place.
 
-Only what exists today is here; the service issues extend this object.
+Values come from NUCLEUS_EXPORT_* environment variables, over a TOML settings
+file named by NUCLEUS_EXPORT_SETTINGS_FILE (keys are the field names below,
+lower case), over the defaults. Secrets are never part of a repr.
 """
 
 from __future__ import annotations
@@ -14,10 +16,15 @@ from converters.archive import ArchiveLimits
 PREFIX = "NUCLEUS_EXPORT_"
 
 
-def _env(name: str, default, cast):
+def _env(name: str, default, cast, file_values: dict):
     raw = os.environ.get(PREFIX + name.upper())
     if raw is None or raw == "":
-        return default
+        if name in file_values:
+            raw = file_values[name]
+            if not isinstance(raw, str):
+                return cast(raw)
+        else:
+            return default
     if cast is bool:
         return raw.strip().lower() in ("1", "true", "yes", "on")
     return cast(raw)
@@ -53,14 +60,40 @@ class Settings:
     # or to NUCLEUS_EXPORT_SECRET_<NAME> variables
     secrets_dir: Path | None = None
     hub_retries: int = 4
+    # the HTTP service
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: int = 1  # in-process export workers of `serve` (0: API only); one CPU-heavy conversion at a time by default
+    idempotency_retention_seconds: int = 24 * 3600
+    # webhook retry delays in seconds after each failed attempt; its length is the number of retries
+    webhook_retry_schedule: str = "5,300,1800,7200,18000,36000"
+    webhook_timeout_seconds: float = 10.0
+    # CIDRs webhooks may reach besides public addresses (e.g. 10.0.0.0/8 inside a cluster); empty: public only
+    webhook_allowed_networks: str = ""
+    # the whsec_ secret the training side signs POST /v1/hooks/checkpoint-saved with
+    inbound_webhook_secret: str | None = field(default=None, repr=False)
+    # encrypts stored webhook secrets; empty: a random key created once in data_dir/secret.key (0600)
+    secret_key: str | None = field(default=None, repr=False)
+    expiring_notice_seconds: int = 24 * 3600  # checkpoint.expiring is sent this long before an archive's expiry
+    sweep_interval_seconds: float = 60.0
 
     @classmethod
     def from_env(cls) -> "Settings":
+        file_values: dict = {}
+        if os.environ.get(PREFIX + "SETTINGS_FILE"):
+            import tomllib
+
+            path = Path(os.environ[PREFIX + "SETTINGS_FILE"])
+            with path.open("rb") as fh:
+                file_values = tomllib.load(fh)
+            unknown = set(file_values) - {f.name for f in fields(cls)}
+            if unknown:
+                raise ValueError(f"{path}: unknown settings {', '.join(sorted(unknown))}")
         values = {}
         for f in fields(cls):
             default = getattr(cls(), f.name)
             cast = {"data_dir": Path, "secrets_dir": Path, "hf_offline": bool}.get(f.name, str if default is None else type(default))
-            values[f.name] = _env(f.name, default, cast)
+            values[f.name] = _env(f.name, default, cast, file_values)
         return cls(**values)
 
     def store_url(self) -> str:
@@ -69,21 +102,34 @@ class Settings:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         return f"sqlite:///{(self.data_dir / 'operations.db').absolute()}"
 
+    def _private_file(self, name: str) -> bytes:
+        """A random secret created once in data_dir with mode 0600."""
+        path = self.data_dir / name
+        if not path.exists():
+            import secrets
+
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(secrets.token_urlsafe(32))
+            except FileExistsError:
+                pass  # another process made it first
+        return path.read_text().strip().encode()
+
+    def secret_key_bytes(self) -> bytes:
+        return self.secret_key.encode() if self.secret_key else self._private_file("secret.key")
+
+    def retry_schedule(self) -> tuple[float, ...]:
+        return tuple(float(x) for x in self.webhook_retry_schedule.split(",") if x.strip())
+
     def signing_key_map(self) -> dict[str, bytes]:
         if self.signing_keys:
             pairs = [p.split(":", 1) for p in self.signing_keys.split(",") if p.strip()]
             if not pairs or any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
                 raise ValueError("NUCLEUS_EXPORT_SIGNING_KEYS must look like kid:secret[,kid:secret]")
             return {k.strip(): v.strip().encode() for k, v in pairs}
-        path = self.data_dir / "signing.key"
-        if not path.exists():
-            import secrets
-
-            self.data_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_urlsafe(32))
-        return {"local": path.read_text().strip().encode()}
+        return {"local": self._private_file("signing.key")}
 
     def artifacts(self):
         """The artifact store these settings name."""

@@ -43,10 +43,37 @@ def req(run: str = "run_3Bz", fmt: str = "gguf", **extra) -> dict:
 
 
 def test_schema_is_migrated_and_reopening_is_a_no_op(store):
-    assert store.schema_revision() == "0001"
+    assert store.schema_revision() == "0002"
     again = Store(store.url)
-    assert again.schema_revision() == "0001"
+    assert again.schema_revision() == "0002"
     again.close()
+
+
+def test_migrations_upgrade_an_existing_database_and_go_back(store):
+    """A database created at 0001 keeps its operations through the upgrade; downgrade undoes it."""
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import inspect
+
+    from exporter.store import MIGRATIONS
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    with store.engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0001")
+    assert "checkpoints" not in inspect(store.engine).get_table_names()
+    old = Store(store.url, migrate=False)
+    with old.engine.begin() as conn:  # an operation written by the 0001 schema
+        from sqlalchemy import text
+
+        conn.execute(text("INSERT INTO operations (id, type, status, request, attempts, fingerprint, available_at, version, created_at, updated_at) "
+                          "VALUES ('op_old', 'export', 'queued', '{}', 0, 'f', :t, 1, :t, :t)"), {"t": "2026-01-01 00:00:00"})
+    store.migrate()
+    assert store.schema_revision() == "0002"
+    assert {"api_keys", "checkpoints", "webhook_deliveries", "export_rules"} <= set(inspect(store.engine).get_table_names())
+    assert store.get("op_old").tenant is None
+    old.close()
 
 
 def test_create_get_and_not_found(store):

@@ -18,7 +18,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import convert, demo, worker
+    from . import convert, demo, keys, serve, worker
 
     parser = _Parser(prog="nucleus-export", description="Export LoRA checkpoints as merged models, PEFT adapters and more.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.register(sub)
     demo.register(sub)
     worker.register(sub)
+    serve.register(sub)
+    keys.register(sub)
     return parser
 
 

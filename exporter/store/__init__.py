@@ -17,7 +17,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, fields
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy import and_, create_engine, event, insert, or_, select, update
@@ -28,6 +28,7 @@ from converters import errors as E
 from converters.errors import ExportError
 
 from .schema import operation_events, operations
+from .util import aware, utcnow
 
 STATUSES = ("queued", "running", "cancelling", "succeeded", "failed", "cancelled")
 TERMINAL = {"succeeded", "failed", "cancelled"}
@@ -41,13 +42,7 @@ TRANSITIONS = {
 MIGRATIONS = Path(__file__).parent / "migrations"
 
 
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
-
-
-def _aware(d: datetime | None) -> datetime | None:
-    # SQLite hands timestamps back naive; everything we store is UTC
-    return d.replace(tzinfo=timezone.utc) if d is not None and d.tzinfo is None else d
+_aware = aware
 
 
 def fingerprint(request: dict) -> str:
@@ -82,6 +77,8 @@ class Operation:
     started_at: datetime | None
     updated_at: datetime
     finished_at: datetime | None
+    tenant: str | None = None
+    checkpoint_id: str | None = None
 
     @classmethod
     def from_row(cls, row) -> "Operation":
@@ -100,7 +97,7 @@ class Operation:
         return {
             "operation": self.id, "type": self.type, "status": self.status, "stage": self.stage,
             "progress": {"percent": self.percent, "bytes_done": self.bytes_done, "bytes_total": self.bytes_total, "eta_seconds": self.eta_seconds, "message": self.message},
-            "format": self.format, "request": self.request, "result": self.result,
+            "format": self.format, "run_id": self.run_id, "checkpoint_id": self.checkpoint_id, "request": self.request, "result": self.result,
             "error": {"code": self.error_code, "message": self.error_message} if self.error_code else None,
             "attempts": self.attempts,
             "created_at": iso(self.created_at), "started_at": iso(self.started_at), "updated_at": iso(self.updated_at), "finished_at": iso(self.finished_at),
@@ -156,7 +153,7 @@ class Store:
 
     # --- creating and reading ---------------------------------------------------------------
 
-    def create(self, request: dict, *, idempotency_key: str | None = None, type: str = "export") -> tuple[Operation, bool]:
+    def create(self, request: dict, *, idempotency_key: str | None = None, type: str = "export", tenant: str | None = None) -> tuple[Operation, bool]:
         """(operation, created). The same Idempotency-Key with the same request returns the
         existing operation; with a different request it is refused."""
         fp = fingerprint(request)
@@ -169,7 +166,7 @@ class Store:
         row = {
             "id": op_id, "type": type, "status": "queued", "request": request, "attempts": 0, "idempotency_key": idempotency_key,
             "fingerprint": fp, "run_id": request.get("run_id"), "format": request.get("format"), "available_at": now, "version": 1,
-            "created_at": now, "updated_at": now,
+            "created_at": now, "updated_at": now, "tenant": tenant, "checkpoint_id": request.get("checkpoint_id"),
         }
         try:
             with self.engine.begin() as conn:
@@ -192,16 +189,27 @@ class Store:
             row = conn.execute(select(operations).where(operations.c.idempotency_key == key)).first()
         return Operation.from_row(row) if row else None
 
-    def get(self, op_id: str) -> Operation:
+    def get(self, op_id: str, *, tenant: str | None = None) -> Operation:
+        """``tenant``: only that tenant's operations exist (another's is "not found", never "forbidden")."""
+        q = select(operations).where(operations.c.id == op_id)
+        if tenant is not None:
+            q = q.where(operations.c.tenant == tenant)
         with self.engine.connect() as conn:
-            row = conn.execute(select(operations).where(operations.c.id == op_id)).first()
+            row = conn.execute(q).first()
         if row is None:
             raise ExportError(E.OPERATION_NOT_FOUND, f"operation {op_id} does not exist.", field="id")
         return Operation.from_row(row)
 
-    def list(self, *, status: str | None = None, run_id: str | None = None, format: str | None = None, limit: int = 50, cursor: str | None = None) -> tuple[list[Operation], str | None]:
+    def list(self, *, status: str | None = None, run_id: str | None = None, format: str | None = None, limit: int = 50, cursor: str | None = None,
+             tenant: str | None = None, checkpoint_id: str | None = None, statuses: tuple[str, ...] | None = None) -> tuple[list[Operation], str | None]:
         """Newest first; ``cursor`` is the opaque token from the previous page."""
         q = select(operations)
+        if tenant is not None:
+            q = q.where(operations.c.tenant == tenant)
+        if checkpoint_id is not None:
+            q = q.where(operations.c.checkpoint_id == checkpoint_id)
+        if statuses:
+            q = q.where(operations.c.status.in_(statuses))
         if status:
             q = q.where(operations.c.status == status)
         if run_id:

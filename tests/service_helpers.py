@@ -1,0 +1,105 @@
+"""Helpers for the service tests: a services container on a temp data dir, a real uvicorn server, a webhook receiver."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from exporter.settings import Settings
+
+INBOUND_SECRET = "whsec_" + "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+
+def settings_for(tmp_path, **over) -> Settings:
+    base = Settings(data_dir=tmp_path / "service", webhook_allowed_networks="127.0.0.0/8,::1/128", webhook_retry_schedule="0.05,0.05,0.05,0.05",
+                    webhook_timeout_seconds=5, inbound_webhook_secret=INBOUND_SECRET, heartbeat_seconds=0.2, lease_seconds=30,
+                    public_base_url="http://testserver")
+    return replace(base, **over)
+
+
+@contextmanager
+def pg_schema():
+    """A PostgreSQL URL whose search_path is a fresh schema, dropped afterwards."""
+    from sqlalchemy import create_engine, text
+
+    schema = "nx_test_" + secrets.token_hex(6)
+    admin = create_engine(PG_URL)
+    with admin.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    try:
+        yield f"{PG_URL}?options=-csearch_path%3D{schema}"
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+class UvicornThread:
+    """The app served by a real uvicorn on a free loopback port."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(20)
+
+
+class Receiver:
+    """A webhook receiver on loopback: answers from a script of status codes (then 200), records every request."""
+
+    def __init__(self, statuses: list[int] | None = None, headers: dict | None = None):
+        self.statuses = list(statuses or [])
+        self.extra_headers = headers or {}
+        self.received: list[dict] = []
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                status = outer.statuses.pop(0) if outer.statuses else 200
+                outer.received.append({"headers": {k.lower(): v for k, v in self.headers.items()}, "body": body, "status": status})
+                self.send_response(status)
+                for k, v in outer.extra_headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def events(self) -> list[str]:
+        return [json.loads(r["body"])["type"] for r in self.received if 200 <= r["status"] < 300]
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def wait_for(predicate, timeout: float = 120, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError("timed out waiting")
