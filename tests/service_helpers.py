@@ -65,6 +65,8 @@ class Receiver:
 
     def __init__(self, statuses: list[int] | None = None, headers: dict | None = None):
         self.statuses = list(statuses or [])
+        self.fail_each: tuple[int, ...] = ()  # statuses each new message id gets before a 200
+        self._seen: dict[str, int] = {}
         self.extra_headers = headers or {}
         self.received: list[dict] = []
         outer = self
@@ -75,7 +77,9 @@ class Receiver:
 
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                status = outer.statuses.pop(0) if outer.statuses else 200
+                mid = self.headers.get("webhook-id", "")
+                n = outer._seen[mid] = outer._seen.get(mid, 0) + 1
+                status = outer.fail_each[n - 1] if n <= len(outer.fail_each) else outer.statuses.pop(0) if outer.statuses else 200
                 outer.received.append({"headers": {k.lower(): v for k, v in self.headers.items()}, "body": body, "status": status})
                 self.send_response(status)
                 for k, v in outer.extra_headers.items():
