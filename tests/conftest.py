@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -108,3 +109,38 @@ def patterned_archive(base: Path, dst: Path) -> tuple[Path, dict[str, torch.Tens
     tensors = samples.make_adapter_tensors(base, rank=8, ranks={"model.layers.1.self_attn.q_proj": 4}, seed=9)
     archive = samples.write_archive(dst, samples.archive_files(tensors, r=8, alpha=16, extra_config=PATTERN_CONFIG), None)
     return archive, tensors
+
+
+# --- the HTTP service ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def sample(model_dir, tmp_path_factory):
+    """A qwen3 base and a checkpoint archive of run_3Bz, step 240."""
+    from .service_helpers import RUN
+
+    base = model_dir("qwen3")
+    root = tmp_path_factory.mktemp("sample")
+    archive = samples.build_archive(root / "ckpt.tar.gz", base, rank=8, meta={"run_id": RUN, "checkpoint_id": "sampler_weights/000240", "step": 240})
+    return {"base": base, "archive": archive, "sha": hashlib.sha256(archive.read_bytes()).hexdigest()}
+
+
+@pytest.fixture
+def svc(tmp_path, sample):
+    """The service on a temp data dir (SQLite), with the sample archive in its artifact store."""
+    import shutil
+
+    from exporter.service import Services
+
+    from .service_helpers import RUN, settings_for
+
+    services = Services(settings_for(tmp_path))
+    # the archive lives in the artifact store, as the trainer's uploads do
+    dest = services.artifacts.root / "checkpoints" / RUN / "000240.tar.gz"
+    dest.parent.mkdir(parents=True)
+    shutil.copy(sample["archive"], dest)
+    services.sample = {**sample, "uri": dest.as_uri()}
+    yield services
+    services.close()
+
+

@@ -12,6 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from exporter.settings import Settings
 
+RUN = "run_3Bz"
+CKPT = "nucleus://run_3Bz:train:0/sampler_weights/000240"
 INBOUND_SECRET = "whsec_" + "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
@@ -107,3 +109,30 @@ def wait_for(predicate, timeout: float = 120, interval: float = 0.05):
             return value
         time.sleep(interval)
     raise AssertionError("timed out waiting")
+
+
+def client_for(svc, background=None):
+    from fastapi.testclient import TestClient
+
+    from exporter.api import create_app
+
+    return TestClient(create_app(svc, background=background), base_url="http://testserver")
+
+
+def auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def keys(svc, tenant="acme"):
+    return {scope: svc.keys.create(tenant, scopes)[1] for scope, scopes in {"train": ["train", "read"], "read": ["read"], "infer": ["infer"]}.items()}
+
+
+def register(client, key, **over):
+    body = {"checkpoint": CKPT, "uri": client.app.state.services.sample["uri"], "base_model": str(client.app.state.services.sample["base"]), "step": 240,
+            "sha256": client.app.state.services.sample["sha"], **over}
+    return client.post(f"/v1/training-runs/{RUN}/checkpoints", json=body, headers=auth(key))
+
+
+def export(client, key, body=None, ckpt="sampler_weights/000240", headers=None):
+    body = body or {"format": "lora-adapter", "verify": False}
+    return client.post(f"/v1/training-runs/{RUN}/checkpoints/{ckpt}/export", json=body, headers={**auth(key), **(headers or {})})

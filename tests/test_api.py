@@ -7,61 +7,11 @@ import shutil
 from urllib.parse import quote, urlsplit
 
 import pytest
-from fastapi.testclient import TestClient
 
-from converters import samples
 from exporter.api import create_app
-from exporter.service import Services
 from exporter.store.idempotency import IdempotencyKeys
 
-from .service_helpers import settings_for, wait_for
-
-RUN = "run_3Bz"
-CKPT = "nucleus://run_3Bz:train:0/sampler_weights/000240"
-
-
-@pytest.fixture(scope="module")
-def sample(model_dir, tmp_path_factory):
-    base = model_dir("qwen3")
-    root = tmp_path_factory.mktemp("sample")
-    archive = samples.build_archive(root / "ckpt.tar.gz", base, rank=8, meta={"run_id": RUN, "checkpoint_id": "sampler_weights/000240", "step": 240})
-    return {"base": base, "archive": archive, "sha": hashlib.sha256(archive.read_bytes()).hexdigest()}
-
-
-@pytest.fixture
-def svc(tmp_path, sample):
-    services = Services(settings_for(tmp_path))
-    # the archive lives in the artifact store, as the trainer's uploads do
-    dest = services.artifacts.root / "checkpoints" / RUN / "000240.tar.gz"
-    dest.parent.mkdir(parents=True)
-    shutil.copy(sample["archive"], dest)
-    services.sample = {**sample, "uri": dest.as_uri()}
-    yield services
-    services.close()
-
-
-def client_for(svc, background=None) -> TestClient:
-    return TestClient(create_app(svc, background=background), base_url="http://testserver")
-
-
-def auth(key: str) -> dict:
-    return {"Authorization": f"Bearer {key}"}
-
-
-def keys(svc, tenant="acme"):
-    return {scope: svc.keys.create(tenant, scopes)[1] for scope, scopes in {"train": ["train", "read"], "read": ["read"], "infer": ["infer"]}.items()}
-
-
-def register(client, key, **over):
-    body = {"checkpoint": CKPT, "uri": client.app.state.services.sample["uri"], "base_model": str(client.app.state.services.sample["base"]), "step": 240,
-            "sha256": client.app.state.services.sample["sha"], **over}
-    return client.post(f"/v1/training-runs/{RUN}/checkpoints", json=body, headers=auth(key))
-
-
-def export(client, key, body=None, ckpt="sampler_weights/000240", headers=None):
-    body = body or {"format": "lora-adapter", "verify": False}
-    return client.post(f"/v1/training-runs/{RUN}/checkpoints/{ckpt}/export", json=body, headers={**auth(key), **(headers or {})})
-
+from .service_helpers import CKPT, RUN, auth, client_for, export, keys, register, wait_for
 
 def test_export_end_to_end(svc):
     k = keys(svc)

@@ -13,8 +13,7 @@ from urllib.parse import quote
 from exporter.api import create_app
 from exporter.service import Services
 
-from .service_helpers import UvicornThread, pg_schema, settings_for, wait_for
-from .test_api import CKPT, RUN, sample  # noqa: F401 - fixture
+from .service_helpers import CKPT, RUN, UvicornThread, pg_schema, settings_for, wait_for
 
 
 def _service(tmp_path, sample, **over) -> Services:

@@ -13,8 +13,7 @@ from exporter.store.util import utcnow
 from exporter.sweeper import Sweeper
 from exporter.webhooks import Dispatcher
 
-from .service_helpers import INBOUND_SECRET, Receiver, wait_for
-from .test_api import RUN, auth, client_for, export, keys, register, svc, sample  # noqa: F401 - fixtures
+from .service_helpers import INBOUND_SECRET, RUN, Receiver, auth, client_for, export, keys, register, wait_for
 
 
 @pytest.fixture
