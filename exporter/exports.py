@@ -32,6 +32,7 @@ class ExportSpec:
     revision: str | None = None
     commit_message: str | None = None
     replace_card: bool = False
+    allow_unknown_pretokenizer: bool | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -57,7 +58,7 @@ def validate(spec: ExportSpec) -> None:
 
 
 def _convert_options(spec: ExportSpec) -> dict:
-    opts = {k: v for k, v in {"quant": spec.quant, "dtype": spec.dtype, "verify": spec.verify}.items() if v is not None}
+    opts = {k: v for k, v in {"quant": spec.quant, "dtype": spec.dtype, "verify": spec.verify, "allow_unknown_pretokenizer": spec.allow_unknown_pretokenizer}.items() if v is not None}
     return opts
 
 

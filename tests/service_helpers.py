@@ -42,24 +42,7 @@ def pg_schema():
         admin.dispose()
 
 
-class UvicornThread:
-    """The app served by a real uvicorn on a free loopback port."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(20)
+from exporter.api.server import BackgroundServer as UvicornThread  # noqa: E402 - the app served by a real uvicorn on loopback
 
 
 class Receiver:

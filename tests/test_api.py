@@ -188,7 +188,7 @@ def test_idempotency_key(svc):
         from exporter.store import fingerprint
 
         fp = fingerprint({"run_id": RUN, "checkpoint_id": "sampler_weights/000240", "body": {"format": "lora-adapter", "destination": "signed-url", "hf_repo": None,
-                          "quant": None, "dtype": None, "verify": False, "private": None, "revision": None, "commit_message": None, "replace_card": False, "hf_token_ref": None}})
+                          "quant": None, "dtype": None, "verify": False, "private": None, "revision": None, "commit_message": None, "replace_card": False, "hf_token_ref": None, "allow_unknown_pretokenizer": None}})
         assert svc.idempotency.begin("acme", "k-2", fp) is None
         e = export(client, k["train"], headers={"Idempotency-Key": "k-2"})
         assert e.status_code == 409 and e.json()["code"] == "idempotency_in_progress"

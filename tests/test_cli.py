@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -69,7 +70,7 @@ def test_usage_errors(tmp_path, archive):
 
 @pytest.mark.slow
 def test_demo(tmp_path):
-    """The main job: sample model and archive, every format through the store and an in-process worker."""
+    """The main job: sample model and archive, every format through the HTTP API, in-process workers, downloads checked."""
     from exporter.store import Store, sqlite_url
 
     r = cli("demo", "--dir", tmp_path / "demo")
@@ -82,5 +83,9 @@ def test_demo(tmp_path):
     ops, _ = store.list(limit=10)
     assert sorted(op.format for op in ops) == sorted(formats) and all(op.status == "succeeded" for op in ops)
     for op in ops:
-        assert (tmp_path / "demo" / "service" / "artifacts" / "exports" / op.id / "nucleus-export.json").is_file()
+        assert op.tenant == "demo", "submitted through the API with a key"
+        for f in op.result["files"]:
+            downloaded = tmp_path / "demo" / "downloads" / op.format / f["name"]
+            assert hashlib.sha256(downloaded.read_bytes()).hexdigest() == f["sha256"]
+    assert r.stdout.count("sha256 checked") == len(formats)
     store.close()

@@ -24,6 +24,7 @@ class ExportOptions(Strict):
     commit_message: str | None = Field(None, max_length=1000)
     replace_card: bool = Field(False, description="hf-hub: replace an existing README.md model card")
     hf_token_ref: str | None = Field(None, description="hf-hub: secret:NAME, resolved on the workers; default the server's token", max_length=80)
+    allow_unknown_pretokenizer: bool | None = Field(None, description="gguf: export even when llama.cpp does not know the tokenizer's pre-tokenizer")
 
 
 class ExportBody(ExportOptions):

@@ -78,7 +78,7 @@ def _rule_spec(rule, fmt: str) -> ExportSpec:
     o = dict(rule.options or {})
     if fmt != "gguf":
         o.pop("quant", None)  # one quant option serves the gguf format of a multi-format rule
-    return ExportSpec(format=fmt, destination=rule.destination, hf_repo=rule.hf_repo, **{k: o.get(k) for k in ("hf_token_ref", "quant", "dtype", "verify", "private", "revision", "commit_message")},
+    return ExportSpec(format=fmt, destination=rule.destination, hf_repo=rule.hf_repo, **{k: o.get(k) for k in ("hf_token_ref", "quant", "dtype", "verify", "private", "revision", "commit_message", "allow_unknown_pretokenizer")},
                       replace_card=bool(o.get("replace_card")))
 
 

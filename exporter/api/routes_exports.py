@@ -22,7 +22,7 @@ RETRY_AFTER_SECONDS = 2
 
 def spec_from(body) -> ExportSpec:
     d = body.model_dump()
-    return ExportSpec(**{k: d.get(k) for k in ("format", "destination", "hf_repo", "hf_token_ref", "quant", "dtype", "verify", "private", "revision", "commit_message")},
+    return ExportSpec(**{k: d.get(k) for k in ("format", "destination", "hf_repo", "hf_token_ref", "quant", "dtype", "verify", "private", "revision", "commit_message", "allow_unknown_pretokenizer")},
                       replace_card=bool(d.get("replace_card")))
 
 

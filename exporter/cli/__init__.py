@@ -18,7 +18,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import convert, demo, keys, serve, worker
+    from . import batch, client, convert, demo, keys, serve, worker
 
     parser = _Parser(prog="nucleus-export", description="Export LoRA checkpoints as merged models, PEFT adapters and more.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.register(sub)
     serve.register(sub)
     keys.register(sub)
+    client.register(sub)
+    batch.register(sub)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""``nucleus-export demo``: build a sample model and checkpoint offline, export it to every format, verify."""
+"""``nucleus-export demo``: a sample model and checkpoint, exported to every format through the embedded HTTP service, downloaded and checked."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ DEMO_CONFIG = {
 
 
 def register(sub) -> None:
-    p = sub.add_parser("demo", help="build a sample checkpoint offline and export it to every format through the job runner")
-    p.add_argument("--dir", default="demo-output", help="where to put the sample, the operations store and the exports (default ./demo-output)")
+    p = sub.add_parser("demo", help="build a sample checkpoint offline and export it to every format through the embedded HTTP service")
+    p.add_argument("--dir", default="demo-output", help="where to put the sample, the service's data and the downloads (default ./demo-output)")
     p.add_argument("--workers", type=int, default=1, help="in-process workers (default 1: one conversion at a time)")
     p.set_defaults(func=run)
 
@@ -39,12 +39,15 @@ def register(sub) -> None:
 @guarded
 def run(args) -> int:
     import json
-    import threading
 
     from converters import samples
 
+    from ..api import create_app
+    from ..api.server import BackgroundServer
+    from ..client import ApiClient
+    from ..service import Services
     from ..settings import Settings
-    from .worker import build_worker
+    from .client import watch
 
     root = Path(args.dir).absolute()
     if root.exists():
@@ -53,56 +56,44 @@ def run(args) -> int:
     print(f"building a sample base model and checkpoint in {root} …")
     tok = samples.build_tokenizer(root / "tokenizer")
     base = samples.build_base(root / "base-model", {**DEMO_CONFIG, "eos_token_id": 2, "pad_token_id": 0}, tok)
-    archive = samples.build_archive(root / "checkpoint.tar.zst", base, rank=8, alpha=16, unembed=True, compression="zstd",
-                                    meta={"run_id": "run_demo", "checkpoint_id": "sampler_weights/000001", "step": 1})
+    checkpoint = "nucleus://run_demo:train:0/sampler_weights/000001"
+
+    # Embedded mode: SQLite operations store, local artifact store, in-process workers, the API on loopback.
+    services = Services(Settings(data_dir=root / "service"))
+    (services.artifacts.root / "checkpoints" / "run_demo").mkdir(parents=True)
+    archive = samples.build_archive(services.artifacts.root / "checkpoints" / "run_demo" / "000001.tar.zst", base, rank=8, alpha=16, unembed=True,
+                                    compression="zstd", meta={"run_id": "run_demo", "checkpoint_id": "sampler_weights/000001", "step": 1})
     print(f"  base model: {base}\n  archive:    {archive}")
-
-    # Embedded mode: SQLite operations store, local artifact store, in-process workers.
-    settings = Settings(data_dir=root / "service")
-    workers = [build_worker(settings, f"demo-worker-{i}") for i in range(max(1, args.workers))]
-    store, artifacts = workers[0].store, workers[0].artifacts
-    ops = {}
-    for fmt in sorted(registry.available()):
-        # The demo's freshly trained tokenizer is, by construction, unknown to
-        # llama.cpp's pre-tokenizer table; real models are identified.
-        options = {"verify": True, "quant": "q8_0" if fmt == "gguf" else "f16", "allow_unknown_pretokenizer": True}
-        request = {"run_id": "run_demo", "checkpoint_id": "sampler_weights/000001", "format": fmt, "destination": "signed-url",
-                   "source": {"uri": archive.as_uri()}, "base": str(base), "options": options}
-        ops[fmt], _ = store.create(request, idempotency_key=f"demo-{fmt}")
-    print(f"queued {len(ops)} exports in {settings.store_url()}; running them with {len(workers)} worker(s) …")
-    threads = [threading.Thread(target=w.run_forever, kwargs={"poll_seconds": 0.1, "max_jobs": None, "stop": _until_idle(store)}) for w in workers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-
-    failures = 0
-    for fmt, op in ops.items():
-        op = store.get(op.id)
-        if op.status != "succeeded":
-            failures += 1
-            print(f"✗ {fmt:<20} {op.status}: [{op.error_code}] {op.error_message}")
-            continue
-        manifest = json.loads(artifacts.path(f"exports/{op.id}/nucleus-export.json").read_text())
-        v = manifest.get("verification") or {}
-        detail = f"max |Δ log p| {v['max_abs_logprob_diff']:.1e}" if "max_abs_logprob_diff" in v else v.get("reason", "")
-        print(f"✓ {fmt:<20} {op.id}  verification: {v.get('status', 'not run')} ({detail})")
-        print(f"  files: {artifacts.path(f'exports/{op.id}')}")
+    server = BackgroundServer(create_app(services, background={"workers": max(1, args.workers), "sweeper": False}))
+    services.artifacts.base_url = server.url  # signed URLs point at this server
+    try:
+        _, key = services.keys.create("demo", ["train", "read"], "demo")
+        api = ApiClient(server.url, key)
+        print(f"service on {server.url} (store {services.store.url}); registering {checkpoint}")
+        api.register_checkpoint(checkpoint, archive.as_uri(), base_model=str(base), step=1)
+        ops = {}
+        for fmt in sorted(registry.available()):
+            # The demo's freshly trained tokenizer is, by construction, unknown to
+            # llama.cpp's pre-tokenizer table; real models are identified.
+            body = {"format": fmt, "verify": True, **({"quant": "q8_0"} if fmt == "gguf" else {}),
+                    **({"allow_unknown_pretokenizer": True} if fmt.startswith("gguf") else {})}
+            ops[fmt] = api.submit(checkpoint, body, idempotency_key=f"demo-{fmt}")["operation"]
+            print(f"  POST …/export {fmt:<20} -> 202 {ops[fmt]}")
+        failures = 0
+        for fmt, op_id in ops.items():
+            op = watch(api, op_id)
+            if op["status"] != "succeeded":
+                failures += 1
+                print(f"✗ {fmt:<20} {op['status']}: [{(op['error'] or {}).get('code')}] {(op['error'] or {}).get('message')}")
+                continue
+            files = api.download(op, root / "downloads" / fmt)  # through the signed URLs; each file's sha256 is checked
+            manifest = json.loads((root / "downloads" / fmt / "nucleus-export.json").read_text())
+            v = manifest.get("verification") or {}
+            detail = f"max |Δ log p| {v['max_abs_logprob_diff']:.1e}" if "max_abs_logprob_diff" in v else v.get("reason", "")
+            print(f"✓ {fmt:<20} {op_id}  verification: {v.get('status', 'not run')} ({detail}); {len(files)} files downloaded, sha256 checked")
+            print(f"  files: {root / 'downloads' / fmt}")
+    finally:
+        server.close()
+        services.close()
     print("done." if not failures else f"{failures} format(s) failed.")
     return EXIT_OK if not failures else EXIT_INTERNAL
-
-
-def _until_idle(store):
-    """A stop flag that turns on once nothing is queued or running."""
-    import threading
-
-    class Idle:
-        def __init__(self):
-            self._event = threading.Event()
-
-        def is_set(self) -> bool:
-            if not self._event.is_set() and not store.list(status="queued", limit=1)[0] and not store.list(status="running", limit=1)[0]:
-                self._event.set()
-            return self._event.is_set()
-
-    return Idle()

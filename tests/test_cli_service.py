@@ -1,0 +1,116 @@
+"""The service's command line: keys, submit/status/wait/cancel/download and batch against a real server."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from exporter.api import create_app
+from exporter.api.server import BackgroundServer
+
+from .service_helpers import CKPT, RUN, auth, client_for, keys, register
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(*args, env=None, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "exporter", *map(str, args)], capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+
+
+@pytest.fixture
+def server(svc):
+    s = BackgroundServer(create_app(svc, background={"workers": 1, "sweeper": False, "dispatcher": False}))
+    svc.artifacts.base_url = s.url
+    k = keys(svc)
+    with client_for(svc) as c:
+        assert register(c, k["train"]).status_code == 201
+    yield {"url": s.url, "env": {"NUCLEUS_EXPORT_SERVER": s.url, "NUCLEUS_EXPORT_API_KEY": k["train"]}, "keys": k, "svc": svc}
+    s.close()
+
+
+def test_keys_create_list_revoke(tmp_path):
+    env = {"NUCLEUS_EXPORT_DATA_DIR": str(tmp_path / "data")}
+    r = cli("keys", "create", "--scopes", "train,read", "--tenant", "acme", "--name", "ci", env=env)
+    assert r.returncode == 0, r.stderr
+    key = r.stdout.splitlines()[0]
+    assert key.startswith("nxk_") and "scopes read,train" in r.stdout
+    listed = cli("keys", "list", env=env)
+    assert key not in listed.stdout and key.split("_", 2)[2] not in listed.stdout and '"tenant": "acme"' in listed.stdout
+    assert key.split("_", 2)[2].encode() not in (tmp_path / "data" / "operations.db").read_bytes()
+    bad = cli("keys", "create", "--scopes", "admin", env=env)
+    assert bad.returncode == 64 and "scopes must be" in bad.stdout
+    assert cli("keys", "revoke", key.split("_")[1], env=env).returncode == 0
+    assert cli("keys", "revoke", key.split("_")[1], env=env).returncode == 65, "already revoked"
+
+
+def test_submit_wait_status_download_cancel(server, tmp_path):
+    r = cli("submit", CKPT, "--format", "lora-adapter", "--no-verify", "--wait", env=server["env"])
+    assert r.returncode == 0, r.stderr
+    accepted = json.loads(r.stdout.splitlines()[0])
+    op_id = accepted["operation"]
+    assert '"status": "succeeded"' in r.stdout
+    progress = [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
+    assert progress[-1]["status"] == "succeeded", "wait reports progress as it goes"
+    status = json.loads(cli("status", op_id, env=server["env"]).stdout)
+    assert status["status"] == "succeeded"
+    d = cli("download", op_id, "--dir", tmp_path / "dl", env=server["env"])
+    assert d.returncode == 0, d.stderr
+    for f in status["result"]["files"]:
+        assert hashlib.sha256((tmp_path / "dl" / f["name"]).read_bytes()).hexdigest() == f["sha256"]
+    # resumable: a partial file is completed, not restarted
+    name = status["result"]["files"][0]["name"]
+    data = (tmp_path / "dl" / name).read_bytes()
+    (tmp_path / "dl" / name).unlink()
+    (tmp_path / "dl" / f".{name}.part").write_bytes(data[: len(data) // 2])
+    assert cli("download", op_id, "--dir", tmp_path / "dl", env=server["env"]).returncode == 0
+    assert (tmp_path / "dl" / name).read_bytes() == data
+    # errors keep their codes and exit codes across the wire
+    r = cli("submit", f"nucleus://{RUN}/nope", "--format", "gguf", env=server["env"])
+    assert r.returncode == 65 and "error [checkpoint_not_found]" in r.stderr
+    r = cli("status", "op_missing", env=server["env"])
+    assert r.returncode == 65 and "error [operation_not_found]" in r.stderr
+    r = cli("status", op_id, env={**server["env"], "NUCLEUS_EXPORT_API_KEY": "nxk_bad"})
+    assert r.returncode == 65 and "error [unauthorized]" in r.stderr
+    queued = cli("submit", CKPT, "--format", "gguf", "--quant", "q4_k_m", "--no-verify", env=server["env"])
+    q_id = json.loads(queued.stdout)["operation"]
+    c = cli("cancel", q_id, env=server["env"])
+    assert c.returncode == 0 and json.loads(c.stdout)["status"] in ("cancelled", "cancelling")
+
+
+def test_batch_resumes_instead_of_duplicating(server, tmp_path):
+    plan = tmp_path / "exports.yaml"
+    plan.write_text(f"""
+exports:
+  - checkpoint: {CKPT}
+    format: lora-adapter
+    verify: false
+  - checkpoint: {CKPT}
+    format: gguf
+    quant: q8_0
+    verify: false
+  - checkpoint: nucleus://{RUN}/missing
+    format: gguf
+""")
+    r = cli("batch", plan, "--concurrency", "2", env=server["env"])
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "2 of 3 exports succeeded" in r.stdout and "checkpoint_not_found" in r.stdout
+    svc = server["svc"]
+    first = sorted(o.id for o in svc.store.list(limit=50)[0])
+    assert len(first) == 2
+    again = cli("batch", plan, env=server["env"])
+    assert "2 of 3 exports succeeded" in again.stdout
+    assert sorted(o.id for o in svc.store.list(limit=50)[0]) == first, "re-running reattached to the same exports"
+    jsonl = tmp_path / "exports.jsonl"
+    jsonl.write_text(json.dumps({"checkpoint": CKPT, "format": "lora-adapter", "verify": False}) + "\n")
+    assert cli("batch", jsonl, env=server["env"]).returncode == 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("exports:\n  - checkpoint: x\n    format: gguf\n    colour: blue\n")
+    r = cli("batch", bad, env=server["env"])
+    assert r.returncode == 65 and "unknown fields colour" in r.stderr
