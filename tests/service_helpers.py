@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from exporter.api.server import BackgroundServer as UvicornThread  # noqa: F401 - the app under a real uvicorn on loopback
 from exporter.settings import Settings
 
 RUN = "run_3Bz"
@@ -40,9 +41,6 @@ def pg_schema():
         with admin.begin() as conn:
             conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
         admin.dispose()
-
-
-from exporter.api.server import BackgroundServer as UvicornThread  # noqa: E402 - the app served by a real uvicorn on loopback
 
 
 class Receiver:

@@ -14,7 +14,7 @@ import pytest
 from exporter.api import create_app
 from exporter.api.server import BackgroundServer
 
-from .service_helpers import CKPT, RUN, auth, client_for, keys, register
+from .service_helpers import CKPT, RUN, client_for, keys, register
 
 ROOT = Path(__file__).resolve().parents[1]
 
