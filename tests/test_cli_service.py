@@ -114,3 +114,37 @@ exports:
     bad.write_text("exports:\n  - checkpoint: x\n    format: gguf\n    colour: blue\n")
     r = cli("batch", bad, env=server["env"])
     assert r.returncode == 65 and "unknown fields colour" in r.stderr
+
+
+def test_serve_runs_the_embedded_service_and_stops_on_sigterm(tmp_path):
+    import signal
+    import socket
+    import time
+
+    import requests
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "NUCLEUS_EXPORT_DATA_DIR": str(tmp_path / "data"), "HF_HUB_OFFLINE": "1"}
+    key = cli("keys", "create", "--scopes", "read", env={"NUCLEUS_EXPORT_DATA_DIR": str(tmp_path / "data")}).stdout.splitlines()[0]
+    proc = subprocess.Popen([sys.executable, "-m", "exporter", "serve", "--port", str(port), "--workers", "2"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(f"{url}/healthz", timeout=2).ok:
+                    break
+            except requests.ConnectionError:
+                time.sleep(0.2)
+        r = requests.get(f"{url}/v1/operations", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        assert r.status_code == 200 and r.json() == {"data": [], "next_cursor": None}
+        assert requests.get(f"{url}/openapi.json", timeout=10).json()["info"]["title"] == "nucleus-export"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    # uvicorn shuts down cleanly, then re-raises SIGTERM so the exit status says how it ended
+    assert proc.returncode in (0, -signal.SIGTERM), out
+    assert "Application shutdown complete" in out and "2 in-process worker(s)" in out and (tmp_path / "data" / "operations.db").is_file()
