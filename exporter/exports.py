@@ -80,12 +80,12 @@ def runner_request(ck: Checkpoint, spec: ExportSpec) -> dict:
 def submit(services, tenant: str, ck: Checkpoint, spec: ExportSpec, *, op_key: str | None = None) -> tuple[Operation, bool]:
     """Create the export operation (once per ``op_key``); refuses a checkpoint the sweeper deleted meanwhile."""
     validate(spec)
-    op, created = services.store.create(runner_request(ck, spec), idempotency_key=op_key, tenant=tenant)
+    op, created = services.store.create(runner_request(ck, spec), idempotency_key=op_key, tenant=tenant, in_tx=services.queue.on_create)
     if created:
         # the sweeper may have deleted the archive between our read and the insert: it checks for
         # exports after marking, we check for the mark after inserting; one of us sees the other
         now = services.checkpoints.get(tenant, ck.run_id, ck.checkpoint_id, include_deleted=True)
         if now.deleted_at is not None:
-            services.store.cancel(op.id)
+            services.queue.cancel(services.store.cancel(op.id))
             raise ExportError(E.CHECKPOINT_DELETED, f"checkpoint {ck.checkpoint_id} of run {ck.run_id} expired and its archive was deleted; register it again to export it.", field="checkpoint_id")
     return op, created

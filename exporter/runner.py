@@ -99,8 +99,12 @@ def _child(conn, source: str, base: str | None, fmt: str, out: str, options: dic
 
 
 class Worker:
-    def __init__(self, store: Store, artifacts, config: RunnerConfig, worker_id: str):
+    def __init__(self, store: Store, artifacts, config: RunnerConfig, worker_id: str, queue=None):
+        from .queue import EmbeddedQueue
+
         self.store, self.artifacts, self.config, self.worker_id = store, artifacts, config, worker_id
+        self.queue = queue if queue is not None else EmbeddedQueue()
+        self._handback = False
         self.cache = ArchiveCache(config.work_dir / "cache")
         self._cancel = threading.Event()
         self._child: mp.Process | None = None
@@ -110,19 +114,31 @@ class Worker:
     def run_once(self) -> Operation | None:
         """Claim and run one operation; returns it as it ended, or None when nothing was queued."""
         op = self.store.claim(self.worker_id, lease_seconds=self.config.lease_seconds, max_attempts=self.config.max_attempts)
-        if op is None:
-            return None
+        return None if op is None else self._execute(op)
+
+    def run_operation(self, op_id: str, *, abort=None, shutting_down=None) -> Operation | None:
+        """Run one given operation (the distributed queue handed us its job). ``abort()``: the queue
+        asks us to stop (a cancel); ``shutting_down()``: our own worker is stopping, so the job
+        is handed back to the queue rather than cancelled."""
+        op = self.store.claim_operation(op_id, self.worker_id, lease_seconds=self.config.lease_seconds, max_attempts=self.config.max_attempts)
+        return None if op is None else self._execute(op, abort=abort, shutting_down=shutting_down)
+
+    def _execute(self, op: Operation, *, abort=None, shutting_down=None) -> Operation:
         self._cancel.clear()
-        beat = threading.Thread(target=self._heartbeat, args=(op.id,), daemon=True)
+        self._handback = False
         stop = threading.Event()
         self._stop_beat = stop
+        beat = threading.Thread(target=self._heartbeat, args=(op.id, abort, shutting_down), daemon=True)
         beat.start()
         try:
             try:
                 self._run(op)
             except Cancelled:
-                self._cleanup(op.id, published=True)
-                self._finish_cancel(op.id)
+                if self._handback:
+                    self._hand_back(op.id)
+                else:
+                    self._cleanup(op.id, published=True)
+                    self._finish_cancel(op.id)
             except ExportError as exc:
                 self._failed(op, exc)
             except Exception as exc:  # noqa: BLE001 - the worker survives any one job
@@ -138,6 +154,15 @@ class Worker:
             beat.join()
         return self.store.get(op.id)
 
+    def _hand_back(self, op_id: str) -> None:
+        """Our worker is shutting down: the job goes back to the queue; its converted output stays for the next taker."""
+        if self.store.get(op_id).status == "cancelling":
+            self._cleanup(op_id, published=True)
+            self._finish_cancel(op_id)
+            return
+        self.store.append_event(op_id, "handed_back", {"worker": self.worker_id})
+        self.store.transition(op_id, "queued", worker_id=self.worker_id, retry_in=0, in_tx=self.queue.on_requeue(0))
+
     def _finish_cancel(self, op_id: str) -> None:
         if self.store.get(op_id).status == "cancelling":
             self.store.transition(op_id, "cancelled", worker_id=self.worker_id)
@@ -151,12 +176,21 @@ class Worker:
                 done += 1
         return done
 
-    def _heartbeat(self, op_id: str) -> None:
-        while not self._stop_beat.wait(self.config.heartbeat_seconds):
-            try:
-                op = self.store.heartbeat(op_id, self.worker_id, lease_seconds=self.config.lease_seconds)
-            except ExportError:  # lease lost: another worker has it now; stop our copy
+    def _heartbeat(self, op_id: str, abort=None, shutting_down=None) -> None:
+        beat_every = self.config.heartbeat_seconds
+        last_beat = time.monotonic()
+        while not self._stop_beat.wait(min(0.5, beat_every) if abort else beat_every):
+            if abort is not None and abort():  # the queue asks us to stop: a cancel, or our own shutdown
+                self._handback = bool(shutting_down and shutting_down())
                 op = None
+            elif time.monotonic() - last_beat < beat_every:
+                continue
+            else:
+                last_beat = time.monotonic()
+                try:
+                    op = self.store.heartbeat(op_id, self.worker_id, lease_seconds=self.config.lease_seconds)
+                except ExportError:  # lease lost: another worker has it now; stop our copy
+                    op = None
             if op is None or op.status == "cancelling":
                 self._cancel.set()
                 child = self._child
@@ -176,7 +210,7 @@ class Worker:
         if exc.retryable and current.attempts < self.config.max_attempts:
             delay = min(self.config.backoff_max, self.config.backoff_base * 2 ** (current.attempts - 1))
             delay *= random.uniform(0.5, 1.0)  # jitter: retries of many jobs do not arrive together
-            self.store.transition(op.id, "queued", error=exc, worker_id=self.worker_id, retry_in=round(delay, 3))
+            self.store.transition(op.id, "queued", error=exc, worker_id=self.worker_id, retry_in=round(delay, 3), in_tx=self.queue.on_requeue(round(delay, 3)))
         else:
             self.store.transition(op.id, "failed", error=exc, worker_id=self.worker_id)
 

@@ -36,6 +36,9 @@ class Services:
         self.rules = ExportRules(engine)
         self.webhooks = Webhooks(engine)
         self.artifacts = artifacts if artifacts is not None else settings.artifacts()
+        from .queue import build_queue
+
+        self.queue = build_queue(settings, self.store)
         self.box = SecretBox(settings.secret_key_bytes())
         self.allowed_networks = parse_networks(settings.webhook_allowed_networks)
         self.dispatcher = Dispatcher(self.store, self.webhooks, self.box, schedule=settings.retry_schedule(), timeout=settings.webhook_timeout_seconds,
@@ -49,15 +52,25 @@ class Services:
         from .sweeper import Sweeper
 
         n = self.settings.workers if workers is None else workers
-        for i in range(n):
-            w = Worker(self.store, self.artifacts, self.settings.runner_config(), f"{socket.gethostname()}:{os.getpid()}:{i}")
-            self.workers.append(w)
-            self._spawn(f"worker-{i}", lambda w=w: w.run_forever(poll_seconds=0.5, stop=self._stop))
+        if n and self.queue.name == "procrastinate":
+            self._spawn("workers", lambda: self.queue.run_workers(self.make_worker, concurrency=n, heartbeat_seconds=self.settings.heartbeat_seconds,
+                                                                  install_signal_handlers=False))
+        else:
+            for i in range(n):
+                w = Worker(self.store, self.artifacts, self.settings.runner_config(), f"{socket.gethostname()}:{os.getpid()}:{i}", self.queue)
+                self.workers.append(w)
+                self._spawn(f"worker-{i}", lambda w=w: w.run_forever(poll_seconds=0.5, stop=self._stop))
         if dispatcher:
             self._spawn("webhooks", lambda: self.dispatcher.run(self._stop))
         if sweeper:
             sw = Sweeper(self)
             self._spawn("sweeper", lambda: sw.run(self._stop, self.settings.sweep_interval_seconds))
+
+    def make_worker(self):
+        """A runner for one job of the distributed queue (each job gets its own: a runner holds one job's state)."""
+        from .runner import Worker
+
+        return Worker(self.store, self.artifacts, self.settings.runner_config(), f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}", self.queue)
 
     def _spawn(self, name: str, fn) -> None:
         t = threading.Thread(target=fn, name=f"nucleus-{name}", daemon=True)

@@ -60,6 +60,9 @@ class Settings:
     # or to NUCLEUS_EXPORT_SECRET_<NAME> variables
     secrets_dir: Path | None = None
     hub_retries: int = 4
+    # the queue: "auto" (procrastinate when database_url is PostgreSQL, else embedded), "embedded", "procrastinate"
+    queue: str = "auto"
+    stalled_seconds: float = 30.0  # distributed mode: a worker silent this long is stalled; its jobs are retried
     # the HTTP service
     host: str = "127.0.0.1"
     port: int = 8000
@@ -157,3 +160,10 @@ class Settings:
             max_compression_ratio=self.max_compression_ratio,
             max_members=self.max_archive_members,
         )
+
+
+def redact_url(url: str) -> str:
+    """A database URL fit for a log line: the password masked."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)

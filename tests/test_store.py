@@ -14,6 +14,7 @@ from converters import errors as E
 from converters.errors import ExportError
 from exporter.store import Store, sqlite_url
 
+HEAD = "0003"  # the newest migration
 PG_URL = os.environ.get("NUCLEUS_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
@@ -43,9 +44,9 @@ def req(run: str = "run_3Bz", fmt: str = "gguf", **extra) -> dict:
 
 
 def test_schema_is_migrated_and_reopening_is_a_no_op(store):
-    assert store.schema_revision() == "0002"
+    assert store.schema_revision() == HEAD
     again = Store(store.url)
-    assert again.schema_revision() == "0002"
+    assert again.schema_revision() == HEAD
     again.close()
 
 
@@ -70,7 +71,7 @@ def test_migrations_upgrade_an_existing_database_and_go_back(store):
         conn.execute(text("INSERT INTO operations (id, type, status, request, attempts, fingerprint, available_at, version, created_at, updated_at) "
                           "VALUES ('op_old', 'export', 'queued', '{}', 0, 'f', :t, 1, :t, :t)"), {"t": "2026-01-01 00:00:00"})
     store.migrate()
-    assert store.schema_revision() == "0002"
+    assert store.schema_revision() == HEAD
     assert {"api_keys", "checkpoints", "webhook_deliveries", "export_rules"} <= set(inspect(store.engine).get_table_names())
     assert store.get("op_old").tenant is None
     old.close()

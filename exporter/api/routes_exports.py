@@ -83,7 +83,9 @@ def cancel_operation(operation_id: str, request: Request, key: ApiKey = require(
     """Queued: cancelled at once. Running: cancelling, until its worker stops the job and cleans up."""
     s = request.app.state.services
     s.store.get(operation_id, tenant=key.tenant)
-    return JSONResponse(operation_out(s.store.cancel(operation_id)), status_code=202)
+    op = s.store.cancel(operation_id)
+    s.queue.cancel(op)  # distributed mode: abort the job wherever it runs
+    return JSONResponse(operation_out(op), status_code=202)
 
 
 @router.post("/v1/operations/{operation_id}/download-urls", response_model=OperationOut, tags=["operations"])

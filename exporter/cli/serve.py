@@ -5,6 +5,7 @@ from __future__ import annotations
 from converters.errors import EXIT_OK
 
 from ..settings import Settings
+from ..settings import redact_url as _redact
 from .errors import guarded
 
 
@@ -23,7 +24,7 @@ def settings_from(args) -> Settings:
     from dataclasses import replace
 
     s = Settings.from_env()
-    over = {k: v for k, v in {"host": args.host, "port": args.port, "database_url": getattr(args, "db", None),
+    over = {k: v for k, v in {"host": getattr(args, "host", None), "port": getattr(args, "port", None), "database_url": getattr(args, "db", None),
                               "artifact_store": getattr(args, "store", None)}.items() if v is not None}
     return replace(s, **over)
 
@@ -39,13 +40,10 @@ def run(args) -> int:
     workers = 0 if args.no_workers else (args.workers if args.workers is not None else settings.workers)
     services = Services(settings)
     app = create_app(services, background={"workers": workers})
-    print(f"nucleus-export serving on http://{settings.host}:{settings.port} with {workers} in-process worker(s); store {_redact(settings.store_url())}", flush=True)
+    print(f"nucleus-export serving on http://{settings.host}:{settings.port} with {workers} in-process worker(s); store {_redact(settings.store_url())}, "
+          f"{services.queue.name} queue", flush=True)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
     services.close()
     return EXIT_OK
 
 
-def _redact(url: str) -> str:
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)

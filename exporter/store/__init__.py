@@ -17,6 +17,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, fields
+from typing import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -79,6 +80,7 @@ class Operation:
     finished_at: datetime | None
     tenant: str | None = None
     checkpoint_id: str | None = None
+    job_id: int | None = None
 
     @classmethod
     def from_row(cls, row) -> "Operation":
@@ -153,9 +155,11 @@ class Store:
 
     # --- creating and reading ---------------------------------------------------------------
 
-    def create(self, request: dict, *, idempotency_key: str | None = None, type: str = "export", tenant: str | None = None) -> tuple[Operation, bool]:
+    def create(self, request: dict, *, idempotency_key: str | None = None, type: str = "export", tenant: str | None = None,
+               in_tx: Callable | None = None) -> tuple[Operation, bool]:
         """(operation, created). The same Idempotency-Key with the same request returns the
-        existing operation; with a different request it is refused."""
+        existing operation; with a different request it is refused. ``in_tx(conn, op_id)``
+        runs in the inserting transaction (the distributed queue enqueues its job there)."""
         fp = fingerprint(request)
         if idempotency_key:
             existing = self._by_key(idempotency_key)
@@ -172,6 +176,8 @@ class Store:
             with self.engine.begin() as conn:
                 conn.execute(insert(operations).values(**row))
                 conn.execute(insert(operation_events).values(operation_id=op_id, at=now, kind="created", data={"status": "queued"}))
+                if in_tx is not None:
+                    in_tx(conn, op_id)
         except IntegrityError:
             existing = self._by_key(idempotency_key) if idempotency_key else None
             if existing is None:
@@ -233,7 +239,7 @@ class Store:
 
     # --- changing ---------------------------------------------------------------------------
 
-    def _cas(self, op: Operation, values: dict, event_kind: str | None = None, event_data: dict | None = None) -> Operation | None:
+    def _cas(self, op: Operation, values: dict, event_kind: str | None = None, event_data: dict | None = None, in_tx: Callable | None = None) -> Operation | None:
         """Apply ``values`` if the row is still at ``op.version``; None when another writer got there first."""
         now = utcnow()
         with self.engine.begin() as conn:
@@ -242,10 +248,13 @@ class Store:
                 return None
             if event_kind:
                 conn.execute(insert(operation_events).values(operation_id=op.id, at=now, kind=event_kind, data=event_data))
+            if in_tx is not None:
+                in_tx(conn, op.id)
         return self.get(op.id)
 
-    def transition(self, op_id: str, status: str, *, stage: str | None = None, result: dict | None = None, error: ExportError | None = None, worker_id: str | None = None, retry_in: float | None = None) -> Operation:
-        """Move to ``status`` (validated against TRANSITIONS), recording an event."""
+    def transition(self, op_id: str, status: str, *, stage: str | None = None, result: dict | None = None, error: ExportError | None = None, worker_id: str | None = None,
+                   retry_in: float | None = None, in_tx: Callable | None = None) -> Operation:
+        """Move to ``status`` (validated against TRANSITIONS), recording an event; ``in_tx(conn, op_id)`` runs in the same transaction."""
         for _ in range(20):
             op = self.get(op_id)
             if status not in TRANSITIONS.get(op.status, set()):
@@ -266,7 +275,7 @@ class Store:
             if status == "queued":  # a retry: back off, give up the lease
                 values.update(worker_id=None, lease_expires_at=None, available_at=utcnow() + timedelta(seconds=retry_in or 0))
                 data["retry_in"] = retry_in
-            done = self._cas(op, values, "status", data)
+            done = self._cas(op, values, "status", data, in_tx)
             if done is not None:
                 return done
         raise ExportError(E.INTERNAL, f"operation {op_id} kept changing under us; giving up the transition to {status}.")
@@ -330,6 +339,30 @@ class Store:
                                   "claimed", {"worker": worker_id, "attempt": op.attempts + 1, "reclaimed": op.status == "running"})
                 if taken is not None:
                     return taken
+
+    def claim_operation(self, op_id: str, worker_id: str, *, lease_seconds: float = 60, max_attempts: int = 3) -> Operation | None:
+        """Take one given operation (the distributed queue handed us its job). A running one is
+        taken over: the queue only hands out a job again when its worker stopped. None when
+        there is nothing to run (finished, or cancelled meanwhile)."""
+        for _ in range(20):
+            op = self.get(op_id)
+            now = utcnow()
+            if op.finished:
+                return None
+            if op.status == "cancelling":
+                self._cas(op, {"status": "cancelled", "finished_at": now, "worker_id": None, "lease_expires_at": None}, "status", {"from": "cancelling", "to": "cancelled", "reason": "worker stopped"})
+                return None
+            if op.attempts >= max_attempts:
+                self._cas(op, {"status": "failed", "finished_at": now, "worker_id": None, "lease_expires_at": None, "error_code": E.ATTEMPTS_EXHAUSTED,
+                               "error_message": f"the export failed on all {max_attempts} attempts; the last worker stopped without finishing."},
+                          "status", {"from": op.status, "to": "failed", "error": E.ATTEMPTS_EXHAUSTED})
+                return None
+            taken = self._cas(op, {"status": "running", "worker_id": worker_id, "lease_expires_at": now + timedelta(seconds=lease_seconds),
+                                   "attempts": op.attempts + 1, "started_at": op.started_at or now},
+                              "claimed", {"worker": worker_id, "attempt": op.attempts + 1, "reclaimed": op.status == "running"})
+            if taken is not None:
+                return taken
+        return None
 
     def heartbeat(self, op_id: str, worker_id: str, *, lease_seconds: float = 60) -> Operation:
         """Extend the lease; raises lease_lost if another worker took the operation over."""

@@ -40,6 +40,7 @@ operations = Table(
     # the API key owner it belongs to, and the checkpoint it exports (migration 0002)
     Column("tenant", String(64)),
     Column("checkpoint_id", String(200)),
+    Column("job_id", BigInteger),  # the procrastinate job carrying it, in distributed mode (migration 0003)
     UniqueConstraint("idempotency_key", name="uq_operations_idempotency_key"),
     Index("ix_operations_status_created", "status", "created_at"),
     Index("ix_operations_run_id", "run_id"),
