@@ -19,10 +19,13 @@ Both expose the same small interface to the store's callers: ``on_create`` and
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import os
 import socket
+import threading
 
 from sqlalchemy import text, update
 
@@ -122,14 +125,30 @@ class ProcrastinateQueue:
     runner_factory = None  # set by run_workers: () -> runner.Worker
 
     def run_workers(self, make_worker, *, concurrency: int = 1, name: str | None = None, heartbeat_seconds: float = 10.0,
-                    install_signal_handlers: bool = True, wait: bool = True, shutdown_timeout: float | None = None) -> None:
-        """Run a procrastinate worker in this thread until stopped (SIGTERM/SIGINT: running exports are
-        given ``shutdown_timeout`` seconds, then handed back to the queue)."""
+                    install_signal_handlers: bool = True, shutdown_timeout: float | None = None, stop: threading.Event | None = None) -> None:
+        """Run a procrastinate worker in this thread until stopped: by SIGTERM/SIGINT (with signal
+        handlers) or by ``stop`` (embedded in ``serve``). Running exports get ``shutdown_timeout``
+        seconds to finish, then are handed back to the queue."""
         self.runner_factory = make_worker
-        self.app.run_worker(queues=[QUEUE], concurrency=concurrency, name=name or f"{socket.gethostname()}:{os.getpid()}",
-                            update_heartbeat_interval=heartbeat_seconds, stalled_worker_timeout=self.stalled_seconds,
-                            install_signal_handlers=install_signal_handlers, wait=wait, shutdown_graceful_timeout=shutdown_timeout,
-                            listen_notify=True, abort_job_polling_interval=1.0, fetch_job_polling_interval=1.0, delete_jobs="successful")
+        options = dict(queues=[QUEUE], concurrency=concurrency, name=name or f"{socket.gethostname()}:{os.getpid()}",
+                       update_heartbeat_interval=heartbeat_seconds, stalled_worker_timeout=self.stalled_seconds,
+                       install_signal_handlers=install_signal_handlers and stop is None, shutdown_graceful_timeout=shutdown_timeout,
+                       listen_notify=True, abort_job_polling_interval=1.0, fetch_job_polling_interval=1.0, delete_jobs="successful")
+        if stop is None:
+            self.app.run_worker(**options)
+            return
+
+        async def until_stopped() -> None:
+            async with self.app.open_async():
+                worker = asyncio.create_task(self.app.run_worker_async(**options))
+                while not stop.is_set() and not worker.done():
+                    await asyncio.sleep(0.2)
+                if not worker.done():
+                    worker.cancel()  # procrastinate's graceful stop: no new jobs, running ones finish or are aborted
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await worker
+
+        asyncio.run(until_stopped())
 
 
 def _is_shutdown(context) -> bool:

@@ -54,7 +54,7 @@ class Services:
         n = self.settings.workers if workers is None else workers
         if n and self.queue.name == "procrastinate":
             self._spawn("workers", lambda: self.queue.run_workers(self.make_worker, concurrency=n, heartbeat_seconds=self.settings.heartbeat_seconds,
-                                                                  install_signal_handlers=False))
+                                                                  stop=self._stop))
         else:
             for i in range(n):
                 w = Worker(self.store, self.artifacts, self.settings.runner_config(), f"{socket.gethostname()}:{os.getpid()}:{i}", self.queue)

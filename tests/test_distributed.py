@@ -250,3 +250,19 @@ def test_idempotency_across_two_api_processes_and_200_distinct_submits(cluster):
     with cluster.services.store.engine.connect() as conn:
         jobs = conn.execute(text("SELECT args->>'operation_id' FROM procrastinate_jobs WHERE task_name = 'nucleus_export.run_export'")).scalars().all()
     assert sorted(jobs) == sorted(o.id for o in ops), "every operation has exactly one job"
+
+
+def test_serve_with_in_process_procrastinate_workers(cluster):
+    """`serve` on PostgreSQL without --no-workers: the in-process workers are procrastinate workers, stopped with the app."""
+    from .service_helpers import client_for
+
+    with client_for(cluster.services, background={"workers": 1, "sweeper": False, "dispatcher": False}) as client:
+        r = client.post(f"/v1/training-runs/{RUN}/checkpoints/000240/export", json={"format": "lora-adapter", "verify": False},
+                        headers={"Authorization": f"Bearer {cluster.key}"})
+        assert r.status_code == 202
+        [op] = cluster.wait_all([r.json()["operation"]], timeout=120)
+        assert op.status == "succeeded", op.error_message
+        got = requests.get(next(f["url"] for f in op.result["files"] if f["name"] == "adapter_model.safetensors"), timeout=30)
+        assert hashlib.sha256(got.content).hexdigest() == next(f["sha256"] for f in op.result["files"] if f["name"] == "adapter_model.safetensors")
+        threads = list(cluster.services._threads)
+    assert threads and not any(t.is_alive() for t in threads), "the workers stopped with the app"
