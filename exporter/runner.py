@@ -77,6 +77,13 @@ def output_is_valid(out: Path) -> bool:
 
 def _child(conn, source: str, base: str | None, fmt: str, out: str, options: dict) -> None:
     """Runs in a fresh process: convert, streaming progress back over ``conn``."""
+    import signal
+
+    # the worker decides when this process ends (SIGKILL on cancel; outputs appear by rename, so
+    # nothing is left half-written): a SIGTERM or Ctrl-C sent to the whole process group must
+    # reach the worker's graceful shutdown, not kill the conversion under it
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         from converters import ConvertOptions, convert
 
@@ -195,7 +202,7 @@ class Worker:
                 self._cancel.set()
                 child = self._child
                 if child is not None and child.is_alive():
-                    child.terminate()
+                    child.kill()
                 return
 
     def _failed(self, op: Operation, exc: ExportError) -> None:
@@ -292,7 +299,7 @@ class Worker:
                     break
                 self._check_cancel()
         except Cancelled:
-            child.terminate()
+            child.kill()
             child.join(10)
             raise
         finally:

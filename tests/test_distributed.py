@@ -69,9 +69,9 @@ class Cluster:
         _, self.key = self.services.keys.create("acme", ["train", "read"])
         self.ck, _ = self.services.checkpoints.register("acme", RUN, "sampler_weights/000240", uri=f"s3://nxexports/{key}", sha256=sample["sha"], base_model=str(sample["base"]))
 
-    def worker(self, name: str, concurrency: int = 1) -> subprocess.Popen:
+    def worker(self, name: str, concurrency: int = 1, extra: list[str] | None = None) -> subprocess.Popen:
         env = {**self.env, "NUCLEUS_EXPORT_DATA_DIR": str(self.tmp / name)}
-        p = subprocess.Popen([sys.executable, "-m", "exporter", "worker", "--concurrency", str(concurrency)], env=env, cwd=ROOT, start_new_session=True,
+        p = subprocess.Popen([sys.executable, "-m", "exporter", "worker", "--concurrency", str(concurrency), *(extra or [])], env=env, cwd=ROOT, start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"{name}.log", "w"))
         self.procs.append(p)
         return p
@@ -266,3 +266,31 @@ def test_serve_with_in_process_procrastinate_workers(cluster):
         assert hashlib.sha256(got.content).hexdigest() == next(f["sha256"] for f in op.result["files"] if f["name"] == "adapter_model.safetensors")
         threads = list(cluster.services._threads)
     assert threads and not any(t.is_alive() for t in threads), "the workers stopped with the app"
+
+
+def test_archive_download_url_is_presigned_s3(cluster):
+    """The raw archive's URL points at S3 itself: its bytes never pass through the API."""
+    from .service_helpers import client_for
+
+    with client_for(cluster.services) as client:
+        r = client.get(f"/v1/training-runs/{RUN}/checkpoints/000240/download-url", headers={"Authorization": f"Bearer {cluster.key}"})
+    assert r.status_code == 200, r.text
+    url = r.json()["url"]
+    assert url.startswith(cluster.s3_url) and "Signature" in url
+    got = requests.get(url, timeout=30)
+    assert got.status_code == 200 and hashlib.sha256(got.content).hexdigest() == cluster.ck.sha256
+
+
+@pytest.mark.slow
+def test_sigterm_hands_a_running_export_back(cluster):
+    op = cluster.submit("merged-safetensors", dtype="fp32")
+    a = cluster.worker("graceful", extra=["--shutdown-timeout", "0.5"])
+    wait_for(lambda: cluster.services.store.get(op.id).stage == "converting", timeout=120, interval=0.02)
+    os.kill(a.pid, signal.SIGTERM)  # as Kubernetes and systemd's KillMode=mixed do: the main process only
+    assert a.wait(60) == 0, "the worker stops cleanly"
+    handed = cluster.services.store.get(op.id)
+    events = cluster.services.store.events(op.id)
+    assert handed.status == "queued" and any(e.kind == "handed_back" for e in events), [(e.kind, e.data) for e in events]
+    cluster.worker("next")
+    [done] = cluster.wait_all([op.id], timeout=300)
+    assert done.status == "succeeded" and done.attempts == 2
