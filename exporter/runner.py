@@ -8,7 +8,7 @@ files the artifact store already holds with the same content.
 
 The conversion runs in a spawned child process: an out-of-memory kill or a
 crash fails the attempt (transient, retried), never the worker. A heartbeat
-thread keeps the lease alive and notices a cancellation, which terminates the
+thread keeps the lease alive and notices a cancellation, which kills the
 child. Bad input fails the operation at once with the engine's error code;
 transient errors go back to the queue with exponential backoff and jitter
 until the attempts run out.
