@@ -141,7 +141,9 @@ class Worker:
             try:
                 self._run(op)
             except Cancelled:
-                if self._handback:
+                if self.store.get(op.id).worker_id != self.worker_id:
+                    self._cleanup(op.id)  # our lease was lost: another worker runs it now; its files are not ours to remove
+                elif self._handback:
                     self._hand_back(op.id)
                 else:
                     self._cleanup(op.id, published=True)
@@ -171,7 +173,11 @@ class Worker:
         self.store.transition(op_id, "queued", worker_id=self.worker_id, retry_in=0, in_tx=self.queue.on_requeue(0))
 
     def _finish_cancel(self, op_id: str) -> None:
-        if self.store.get(op_id).status == "cancelling":
+        status = self.store.get(op_id).status
+        if status == "running":  # the queue aborted the job without the store's cancel (procrastinate's own tools)
+            self.store.transition(op_id, "cancelling", worker_id=self.worker_id)
+            status = "cancelling"
+        if status == "cancelling":
             self.store.transition(op_id, "cancelled", worker_id=self.worker_id)
 
     def run_forever(self, poll_seconds: float = 1.0, stop: threading.Event | None = None, max_jobs: int | None = None) -> int:
@@ -207,12 +213,12 @@ class Worker:
 
     def _failed(self, op: Operation, exc: ExportError) -> None:
         current = self.store.get(op.id)
+        if exc.code == E.LEASE_LOST or current.worker_id != self.worker_id:
+            return  # someone else runs it now
         if current.status == "cancelling":
             self._cleanup(op.id, published=True)
             self._finish_cancel(op.id)
             return
-        if exc.code == E.LEASE_LOST or current.worker_id != self.worker_id:
-            return  # someone else runs it now
         self.store.append_event(op.id, "error", {"code": exc.code, "message": exc.message[:500], "attempt": current.attempts})
         if exc.retryable and current.attempts < self.config.max_attempts:
             delay = min(self.config.backoff_max, self.config.backoff_base * 2 ** (current.attempts - 1))
