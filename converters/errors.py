@@ -121,6 +121,7 @@ IDEMPOTENCY_IN_PROGRESS = _code("idempotency_in_progress", "input", "a request w
 CHECKPOINT_NOT_FOUND = _code("checkpoint_not_found", "input", "no checkpoint with this id is registered for the run")
 CHECKPOINT_EXISTS = _code("checkpoint_exists", "input", "a different checkpoint is already registered under this id")
 CHECKPOINT_DELETED = _code("checkpoint_deleted", "input", "the checkpoint's archive expired and was deleted")
+ARCHIVE_URI_REFUSED = _code("archive_uri_refused", "input", "the archive URI is outside the places this tenant may register archives from")
 ARCHIVE_NOT_DOWNLOADABLE = _code("archive_not_downloadable", "input", "the archive is not in a store that can sign download URLs")
 WEBHOOK_NOT_FOUND = _code("webhook_not_found", "input", "no webhook endpoint or delivery with this id")
 WEBHOOK_URL_REFUSED = _code("webhook_url_refused", "input", "the webhook URL is not http(s) or resolves to a non-public address")

@@ -34,6 +34,12 @@ def parse(uri: str) -> CheckpointRef:
     return CheckpointRef(m["run"], m["path"], m["role"], int(m["index"]) if m["index"] else None)
 
 
+def validate_run(run_id: str) -> str:
+    if not re.fullmatch(_SEG, run_id):
+        raise ExportError(E.VALIDATION_FAILED, f"run id {run_id!r} is not valid (letters, digits, '_', '.', '-').", field="run_id")
+    return run_id
+
+
 def resolve(run_id: str, checkpoint_id: str) -> CheckpointRef:
     """A route's (run, checkpoint) pair, where the checkpoint may be given as a full URI."""
     if checkpoint_id.startswith("nucleus://"):
@@ -41,8 +47,7 @@ def resolve(run_id: str, checkpoint_id: str) -> CheckpointRef:
         if ref.run_id != run_id:
             raise ExportError(E.VALIDATION_FAILED, f"checkpoint {checkpoint_id} belongs to run {ref.run_id}, not {run_id}.", field="checkpoint_id")
         return ref
-    if not re.fullmatch(_SEG, run_id):
-        raise ExportError(E.VALIDATION_FAILED, f"run id {run_id!r} is not valid (letters, digits, '_', '.', '-').", field="run_id")
+    validate_run(run_id)
     if not ID.fullmatch(checkpoint_id):
         raise ExportError(E.VALIDATION_FAILED, f"checkpoint id {checkpoint_id!r} is not valid (like 000240 or sampler_weights/000240).", field="checkpoint_id")
     return CheckpointRef(run_id, checkpoint_id)

@@ -6,7 +6,7 @@ so all three accept and refuse the same things with the same codes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from converters import errors as E
 from converters import registry
@@ -33,7 +33,6 @@ class ExportSpec:
     commit_message: str | None = None
     replace_card: bool = False
     allow_unknown_pretokenizer: bool | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def validate(spec: ExportSpec) -> None:

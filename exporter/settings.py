@@ -64,6 +64,9 @@ class Settings:
     queue: str = "auto"
     stalled_seconds: float = 30.0  # distributed mode: a worker silent this long is stalled; its jobs are retried
     # the HTTP service
+    # besides the tenant's own checkpoints/<tenant>/ in the artifact store, where keys may register archives from
+    archive_roots: str = ""  # comma-separated directories (file://)
+    archive_buckets: str = ""  # comma-separated S3 buckets
     host: str = "127.0.0.1"
     port: int = 8000
     workers: int = 1  # in-process export workers of `serve` (0: API only); one CPU-heavy conversion at a time by default
@@ -122,6 +125,12 @@ class Settings:
 
     def secret_key_bytes(self) -> bytes:
         return self.secret_key.encode() if self.secret_key else self._private_file("secret.key")
+
+    def archive_root_list(self) -> list[Path]:
+        return [Path(p.strip()) for p in self.archive_roots.split(",") if p.strip()]
+
+    def archive_bucket_list(self) -> list[str]:
+        return [b.strip() for b in self.archive_buckets.split(",") if b.strip()]
 
     def retry_schedule(self) -> tuple[float, ...]:
         return tuple(float(x) for x in self.webhook_retry_schedule.split(",") if x.strip())

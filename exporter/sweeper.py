@@ -14,29 +14,11 @@ from __future__ import annotations
 import logging
 import threading
 from datetime import timedelta
-from pathlib import Path
-from urllib.parse import unquote, urlsplit
-
-from .artifacts import LocalStore, S3Store
+from .archive_uris import owned_location
 from .store.util import utcnow
 
 log = logging.getLogger("nucleus_export.sweeper")
 BUSY = ("queued", "running", "cancelling")
-
-
-def owned_location(uri: str, artifacts) -> tuple[str, object] | None:
-    """("local", path) / ("s3", key) when ``uri`` lies in our artifact store, else None."""
-    u = urlsplit(uri)
-    if isinstance(artifacts, LocalStore) and u.scheme in ("", "file"):
-        p = Path(unquote(u.path)).resolve()
-        root = artifacts.root.resolve()
-        if root in p.parents:
-            return "local", p
-    if isinstance(artifacts, S3Store) and u.scheme == "s3" and u.netloc == artifacts.bucket:
-        key = u.path.lstrip("/")
-        if not artifacts.prefix or key.startswith(artifacts.prefix + "/"):
-            return "s3", key
-    return None
 
 
 class Sweeper:

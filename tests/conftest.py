@@ -135,8 +135,8 @@ def svc(tmp_path, sample):
     from .service_helpers import RUN, settings_for
 
     services = Services(settings_for(tmp_path))
-    # the archive lives in the artifact store, as the trainer's uploads do
-    dest = services.artifacts.root / "checkpoints" / RUN / "000240.tar.gz"
+    # the archive lives in tenant acme's part of the artifact store, as the trainer's uploads do
+    dest = services.artifacts.root / "checkpoints" / "acme" / RUN / "000240.tar.gz"
     dest.parent.mkdir(parents=True)
     shutil.copy(sample["archive"], dest)
     services.sample = {**sample, "uri": dest.as_uri()}

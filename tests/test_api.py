@@ -124,7 +124,7 @@ def test_checkpoints_register_get_expire_and_download(svc, tmp_path):
         r = register(client, k["train"], ttl_seconds=3600)
         assert r.status_code == 201 and r.json()["checkpoint_id"] == "sampler_weights/000240" and r.json()["expires_at"]
         assert register(client, k["train"], ttl_seconds=3600).status_code == 200, "registering the same archive again is a no-op"
-        r = register(client, k["train"], uri="file:///elsewhere.tar")
+        r = register(client, k["train"], uri="https://example.com/another.tar")
         assert r.status_code == 409 and r.json()["code"] == "checkpoint_exists"
         assert client.post(f"/v1/training-runs/{RUN}/checkpoints", json={"checkpoint": "nucleus://run_other/x", "uri": "file:///x"}, headers=auth(k["train"])).status_code == 422
         for name in ("000240", "sampler_weights/000240", quote(CKPT, safe="")):
@@ -140,11 +140,30 @@ def test_checkpoints_register_get_expire_and_download(svc, tmp_path):
         parts = urlsplit(u["url"])
         got = client.get(f"{parts.path}?{parts.query}")
         assert hashlib.sha256(got.content).hexdigest() == svc.sample["sha"]
-        outside = tmp_path / "outside.tar.gz"
-        shutil.copy(svc.sample["archive"], outside)
-        register(client, k["train"], checkpoint=None, checkpoint_id="000300", uri=outside.as_uri())
+        assert register(client, k["train"], checkpoint=None, checkpoint_id="000300", uri="https://example.com/ckpt.tar.zst").status_code == 201
         r = client.get(f"/v1/training-runs/{RUN}/checkpoints/000300/download-url", headers=auth(k["read"]))
         assert r.status_code == 409 and r.json()["code"] == "archive_not_downloadable"
+
+
+def test_archives_register_only_from_the_tenants_own_places(svc, tmp_path):
+    """A key cannot point the workers at another tenant's archive, an export, or any file or bucket they can reach."""
+    from dataclasses import replace
+
+    k = keys(svc)
+    root = svc.artifacts.root
+    outside = tmp_path / "outside.tar.gz"
+    shutil.copy(svc.sample["archive"], outside)
+    refused = [(root / "checkpoints" / "globex" / RUN / "x.tar.gz").as_uri(), (root / "exports" / "op_1" / "model.safetensors").as_uri(),
+               (root / "checkpoints" / "acme" / ".." / "globex" / "x.tar").as_uri(), "file:///etc/passwd", outside.as_uri(),
+               "s3://someone-elses-bucket/ckpt.tar", "ftp://host/ckpt.tar"]
+    with client_for(svc) as client:
+        for i, uri in enumerate(refused):
+            r = register(client, k["train"], checkpoint=None, checkpoint_id=f"bad{i}", uri=uri)
+            assert r.status_code == 422 and r.json()["code"] in ("archive_uri_refused", "fetch_unsupported") and r.json()["field"] == "uri", (uri, r.text)
+    svc.settings = replace(svc.settings, archive_roots=str(tmp_path), archive_buckets="shared-archives")
+    with client_for(svc) as client:
+        assert register(client, k["train"], checkpoint=None, checkpoint_id="root", uri=outside.as_uri()).status_code == 201
+        assert register(client, k["train"], checkpoint=None, checkpoint_id="bucket", uri="s3://shared-archives/run/ckpt.tar").status_code == 201
 
 
 def test_sweeper_deletes_expired_archives_but_not_one_an_export_needs(svc):
@@ -156,13 +175,13 @@ def test_sweeper_deletes_expired_archives_but_not_one_an_export_needs(svc):
     k = keys(svc)
     with client_for(svc) as client:
         register(client, k["train"], ttl_seconds=60)
-        second = svc.artifacts.root / "checkpoints" / RUN / "000300.tar.gz"
+        second = svc.artifacts.root / "checkpoints" / "acme" / RUN / "000300.tar.gz"
         shutil.copy(svc.sample["archive"], second)
         register(client, k["train"], checkpoint=None, checkpoint_id="000300", uri=second.as_uri(), ttl_seconds=60)
         op = export(client, k["train"]).json()["operation"]  # queued: it needs 000240's archive
         report = Sweeper(svc).sweep(now=utcnow() + timedelta(seconds=120))
         assert report["deleted"] == [f"nucleus://{RUN}/000300"] and report["kept"] == [f"nucleus://{RUN}/sampler_weights/000240"]
-        assert not second.exists() and (svc.artifacts.root / "checkpoints" / RUN / "000240.tar.gz").exists()
+        assert not second.exists() and (svc.artifacts.root / "checkpoints" / "acme" / RUN / "000240.tar.gz").exists()
         r = export(client, k["train"], ckpt="000300")
         assert r.status_code == 410 and r.json()["code"] == "checkpoint_deleted"
         assert client.get(f"/v1/training-runs/{RUN}/checkpoints/000300", headers=auth(k["read"])).json()["deleted"] is True
@@ -175,7 +194,10 @@ def test_idempotency_key(svc):
     k, other = keys(svc), keys(svc, "globex")
     with client_for(svc) as client:
         register(client, k["train"])
-        register(client, other["train"])
+        theirs = svc.artifacts.root / "checkpoints" / "globex" / RUN / "000240.tar.gz"
+        theirs.parent.mkdir(parents=True)
+        shutil.copy(svc.sample["archive"], theirs)
+        assert register(client, other["train"], uri=theirs.as_uri()).status_code == 201
         a = export(client, k["train"], headers={"Idempotency-Key": "k-1"})
         b = export(client, k["train"], headers={"Idempotency-Key": "k-1"})
         assert a.status_code == b.status_code == 202 and a.json() == b.json() and b.headers["Idempotent-Replayed"] == "true"

@@ -18,7 +18,7 @@ from .service_helpers import CKPT, RUN, UvicornThread, pg_schema, settings_for, 
 
 def _service(tmp_path, sample, **over) -> Services:
     s = Services(settings_for(tmp_path, **over))
-    dest = s.artifacts.root / "checkpoints" / RUN / "000240.tar.gz"
+    dest = s.artifacts.root / "checkpoints" / "acme" / RUN / "000240.tar.gz"
     dest.parent.mkdir(parents=True)
     shutil.copy(sample["archive"], dest)
     s.sample = {**sample, "uri": dest.as_uri()}

@@ -64,7 +64,7 @@ class Cluster:
         self.services = Services(replace(settings_for(tmp / "local"), database_url=db, queue="procrastinate", artifact_store=f"s3://nxexports/{self.prefix}",
                                          s3_endpoint_url=s3_url, secret_key="cluster-secret", stalled_seconds=3))
         self.procs: list[subprocess.Popen] = []
-        key = f"{self.prefix}/checkpoints/{RUN}/000240.tar.gz"
+        key = f"{self.prefix}/checkpoints/acme/{RUN}/000240.tar.gz"
         self.services.artifacts.client.upload_file(str(sample["archive"]), "nxexports", key)
         _, self.key = self.services.keys.create("acme", ["train", "read"])
         self.ck, _ = self.services.checkpoints.register("acme", RUN, "sampler_weights/000240", uri=f"s3://nxexports/{key}", sha256=sample["sha"], base_model=str(sample["base"]))

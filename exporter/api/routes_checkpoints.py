@@ -13,7 +13,7 @@ from converters.errors import ExportError
 from .. import checkpoint_ref
 from ..exports import ExportSpec, submit, validate
 from ..store.keys import ApiKey
-from ..sweeper import owned_location
+from ..archive_uris import check_registrable, owned_location
 from .auth import require
 from .models import CheckpointBody, CheckpointList, CheckpointOut, ExpiryBody, HookResult, RuleBody, RuleList, RuleOut, SignedUrlOut
 
@@ -30,14 +30,16 @@ def _ref_from_body(run_id: str, body: CheckpointBody) -> checkpoint_ref.Checkpoi
 def register_checkpoint(run_id: str, body: CheckpointBody, request: Request, key: ApiKey = require("train")):
     """Register a checkpoint archive. Registering the same archive again answers 200 with the existing record."""
     ref = _ref_from_body(run_id, body)
-    ck, created = request.app.state.services.checkpoints.register(key.tenant, ref.run_id, ref.checkpoint_id, uri=body.uri, sha256=body.sha256, size=body.size,
+    s = request.app.state.services
+    check_registrable(body.uri, key.tenant, s.artifacts, roots=s.settings.archive_root_list(), buckets=s.settings.archive_bucket_list())
+    ck, created = s.checkpoints.register(key.tenant, ref.run_id, ref.checkpoint_id, uri=body.uri, sha256=body.sha256, size=body.size,
                                                                  base_model=body.base_model, step=body.step, ttl_seconds=body.ttl_seconds)
     return JSONResponse(ck.to_dict(), status_code=201 if created else 200)
 
 
 @router.get("/v1/training-runs/{run_id}/checkpoints", response_model=CheckpointList, tags=["checkpoints"])
 def list_checkpoints(run_id: str, request: Request, key: ApiKey = require("read")):
-    checkpoint_ref.resolve(run_id, "x")  # validates the run id
+    checkpoint_ref.validate_run(run_id)
     return {"data": [c.to_dict() for c in request.app.state.services.checkpoints.list(key.tenant, run_id)]}
 
 
@@ -85,7 +87,7 @@ def _rule_spec(rule, fmt: str) -> ExportSpec:
 @router.post("/v1/training-runs/{run_id}/export-rules", status_code=201, response_model=RuleOut, tags=["export rules"])
 def create_rule(run_id: str, body: RuleBody, request: Request, key: ApiKey = require("train")):
     """Export every new checkpoint of the run (or every n-th step) in these formats, when the trainer's hook announces it."""
-    checkpoint_ref.resolve(run_id, "x")
+    checkpoint_ref.validate_run(run_id)
     options = body.model_dump(exclude={"formats", "destination", "hf_repo", "every_n_steps"}, exclude_none=True)
     if not options.get("replace_card"):
         options.pop("replace_card", None)

@@ -60,8 +60,8 @@ def run(args) -> int:
 
     # Embedded mode: SQLite operations store, local artifact store, in-process workers, the API on loopback.
     services = Services(Settings(data_dir=root / "service"))
-    (services.artifacts.root / "checkpoints" / "run_demo").mkdir(parents=True)
-    archive = samples.build_archive(services.artifacts.root / "checkpoints" / "run_demo" / "000001.tar.zst", base, rank=8, alpha=16, unembed=True,
+    (services.artifacts.root / "checkpoints" / "demo" / "run_demo").mkdir(parents=True)  # tenant demo's part of the store
+    archive = samples.build_archive(services.artifacts.root / "checkpoints" / "demo" / "run_demo" / "000001.tar.zst", base, rank=8, alpha=16, unembed=True,
                                     compression="zstd", meta={"run_id": "run_demo", "checkpoint_id": "sampler_weights/000001", "step": 1})
     print(f"  base model: {base}\n  archive:    {archive}")
     server = BackgroundServer(create_app(services, background={"workers": max(1, args.workers), "sweeper": False}))
