@@ -79,6 +79,7 @@ def convert(
             force=options.force_base,
             offline=options.offline,
             max_header_bytes=options.limits.max_safetensors_header_bytes,
+            local_paths=options.allow_local_base,
         )
         ctx = ConvertContext(checkpoint, adapter, base_model, options)
 

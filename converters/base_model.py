@@ -171,8 +171,11 @@ def resolve_base(
     force: bool = False,
     offline: bool | None = None,
     max_header_bytes: int = 100 << 20,
+    local_paths: bool = True,
 ) -> BaseModel:
-    """Find the base model. ``spec`` may be None when the archive names one."""
+    """Find the base model. ``spec`` may be None when the archive names one. ``local_paths=False``
+    (the service, where the name comes from a user) accepts only Hub ids: resolved in the model
+    store or the Hub cache, never as a directory on the worker."""
     if spec is None:
         if not archive_base:
             raise InputError(E.BASE_REQUIRED, "the checkpoint does not name its base model; pass one with --base.")
@@ -181,8 +184,10 @@ def resolve_base(
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     model_id = None
     rev = None
+    if not local_paths and not _is_hub_id(spec):
+        raise InputError(E.BASE_NOT_FOUND, f"base model {spec!r} is not a Hub id; the service accepts only org/name (from its model store or the Hub).")
     p = Path(spec).expanduser()
-    if p.is_dir():
+    if local_paths and p.is_dir():
         path = p.resolve()
         if _is_hub_id(spec) and not p.is_absolute():
             model_id = spec

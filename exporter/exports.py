@@ -65,7 +65,8 @@ def runner_request(ck: Checkpoint, spec: ExportSpec) -> dict:
     req = {
         "run_id": ck.run_id, "checkpoint_id": ck.checkpoint_id, "checkpoint": ck.ref, "format": spec.format, "destination": spec.destination,
         "source": {k: v for k, v in {"uri": ck.uri, "sha256": ck.sha256, "size": ck.size}.items() if v is not None},
-        "base": ck.base_model, "options": _convert_options(spec),
+        # base models come from the workers' model store or the Hub, never from a path a user names
+        "base": ck.base_model, "options": {**_convert_options(spec), "allow_local_base": False},
     }
     if spec.destination == "hf-hub":
         req["hf_repo"] = spec.hf_repo

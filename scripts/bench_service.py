@@ -19,7 +19,6 @@ import os
 import secrets
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,7 @@ def build_sample(d: Path):
     cfg = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
            "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32, "vocab_size": 4096, "max_position_embeddings": 1024,
            "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "eos_token_id": 2}
-    base = samples.build_base(d / "base", cfg, samples.build_tokenizer(d / "tok", vocab_size=4096))
+    base = samples.build_base(d / "models" / "bench" / "tiny-qwen3", cfg, samples.build_tokenizer(d / "tok", vocab_size=4096))
     return base, samples.build_archive(d / "ckpt.tar.gz", base, rank=16)
 
 
@@ -77,13 +76,13 @@ def run_round(db: str, d: Path, base, archive, fmt: str, n: int, workers: int) -
     from exporter.service import Services
     from exporter.settings import Settings
 
-    settings = replace(Settings(data_dir=d / "api"), database_url=db, queue="procrastinate", heartbeat_seconds=1.0)
+    settings = replace(Settings(data_dir=d / "api"), database_url=db, queue="procrastinate", heartbeat_seconds=1.0, archive_roots=str(archive.parent))
     services = Services(settings)
     server = BackgroundServer(create_app(services))
     _, key = services.keys.create("bench", ["train", "read"])
     h = {"Authorization": f"Bearer {key}"}
     requests.post(f"{server.url}/v1/training-runs/run_bench/checkpoints", headers=h, timeout=30,
-                  json={"checkpoint_id": "000001", "uri": archive.as_uri(), "base_model": str(base)}).raise_for_status()
+                  json={"checkpoint_id": "000001", "uri": archive.as_uri(), "base_model": "bench/tiny-qwen3"}).raise_for_status()
     url = f"{server.url}/v1/training-runs/run_bench/checkpoints/000001/export"
 
     def submit(i):
@@ -97,7 +96,8 @@ def run_round(db: str, d: Path, base, archive, fmt: str, n: int, workers: int) -
     latencies = [r[0] for r in results]
     ids = [r[1] for r in results]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "NUCLEUS_EXPORT_DATABASE_URL": db, "NUCLEUS_EXPORT_QUEUE": "procrastinate",
-           "NUCLEUS_EXPORT_ARTIFACT_STORE": "", "NUCLEUS_EXPORT_SIGNING_KEYS": "bench:bench-secret"}
+           "NUCLEUS_EXPORT_ARTIFACT_STORE": "", "NUCLEUS_EXPORT_SIGNING_KEYS": "bench:bench-secret",
+           "NUCLEUS_EXPORT_MODEL_STORE": str(base.parent.parent)}
     t0 = time.perf_counter()
     procs = [subprocess.Popen([sys.executable, "-m", "exporter", "worker"], cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, env={**env, "NUCLEUS_EXPORT_DATA_DIR": str(d / f"w{i}")}) for i in range(workers)]

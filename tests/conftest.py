@@ -122,7 +122,11 @@ def sample(model_dir, tmp_path_factory):
     base = model_dir("qwen3")
     root = tmp_path_factory.mktemp("sample")
     archive = samples.build_archive(root / "ckpt.tar.gz", base, rank=8, meta={"run_id": RUN, "checkpoint_id": "sampler_weights/000240", "step": 240})
-    return {"base": base, "archive": archive, "sha": hashlib.sha256(archive.read_bytes()).hexdigest()}
+    # the service names base models by Hub id; the workers find this one in their model store
+    (root / "models" / "test-org").mkdir(parents=True)
+    (root / "models" / "test-org" / "tiny-qwen3").symlink_to(base, target_is_directory=True)
+    return {"base": base, "base_id": "test-org/tiny-qwen3", "model_store": root / "models", "archive": archive,
+            "sha": hashlib.sha256(archive.read_bytes()).hexdigest()}
 
 
 @pytest.fixture
@@ -134,7 +138,7 @@ def svc(tmp_path, sample):
 
     from .service_helpers import RUN, settings_for
 
-    services = Services(settings_for(tmp_path))
+    services = Services(settings_for(tmp_path, model_store=str(sample["model_store"])))
     # the archive lives in tenant acme's part of the artifact store, as the trainer's uploads do
     dest = services.artifacts.root / "checkpoints" / "acme" / RUN / "000240.tar.gz"
     dest.parent.mkdir(parents=True)

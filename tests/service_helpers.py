@@ -109,7 +109,7 @@ def keys(svc, tenant="acme"):
 
 
 def register(client, key, **over):
-    body = {"checkpoint": CKPT, "uri": client.app.state.services.sample["uri"], "base_model": str(client.app.state.services.sample["base"]), "step": 240,
+    body = {"checkpoint": CKPT, "uri": client.app.state.services.sample["uri"], "base_model": client.app.state.services.sample["base_id"], "step": 240,
             "sha256": client.app.state.services.sample["sha"], **over}
     return client.post(f"/v1/training-runs/{RUN}/checkpoints", json=body, headers=auth(key))
 

@@ -163,6 +163,9 @@ def test_archives_register_only_from_the_tenants_own_places(svc, tmp_path):
     svc.settings = replace(svc.settings, archive_roots=str(tmp_path), archive_buckets="shared-archives")
     with client_for(svc) as client:
         assert register(client, k["train"], checkpoint=None, checkpoint_id="root", uri=outside.as_uri()).status_code == 201
+        for base in ("/etc", "../models/x", "no-namespace"):
+            r = register(client, k["train"], checkpoint=None, checkpoint_id="b", base_model=base)
+            assert r.status_code == 422 and r.json()["field"] == "base_model", "the service names base models by Hub id only"
         assert register(client, k["train"], checkpoint=None, checkpoint_id="bucket", uri="s3://shared-archives/run/ckpt.tar").status_code == 201
 
 

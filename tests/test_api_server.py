@@ -17,7 +17,7 @@ from .service_helpers import CKPT, RUN, UvicornThread, pg_schema, settings_for, 
 
 
 def _service(tmp_path, sample, **over) -> Services:
-    s = Services(settings_for(tmp_path, **over))
+    s = Services(settings_for(tmp_path, model_store=str(sample["model_store"]), **over))
     dest = s.artifacts.root / "checkpoints" / "acme" / RUN / "000240.tar.gz"
     dest.parent.mkdir(parents=True)
     shutil.copy(sample["archive"], dest)
@@ -27,7 +27,7 @@ def _service(tmp_path, sample, **over) -> Services:
 
 def _register(url, key, s) -> None:
     r = requests.post(f"{url}/v1/training-runs/{RUN}/checkpoints", headers={"Authorization": f"Bearer {key}"},
-                      json={"checkpoint": CKPT, "uri": s.sample["uri"], "base_model": str(s.sample["base"]), "sha256": s.sample["sha"]}, timeout=30)
+                      json={"checkpoint": CKPT, "uri": s.sample["uri"], "base_model": s.sample["base_id"], "sha256": s.sample["sha"]}, timeout=30)
     assert r.status_code == 201, r.text
 
 

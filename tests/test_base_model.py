@@ -111,3 +111,17 @@ def test_names_match(archive_base, given, resolved, is_dir, expected):
     from pathlib import Path
 
     assert names_match(archive_base, given, Path(resolved), is_dir) is expected
+
+
+def test_service_mode_accepts_hub_ids_only(tmp_path, model_dir):
+    """Where a user names the base (the service), a local path is refused, also when the archive names it."""
+    base = model_dir("qwen3")
+    for spec, archive_base in ((str(base), None), (None, str(base)), ("../../etc", None)):
+        with pytest.raises(ExportError) as e:
+            resolve_base(spec, archive_base=archive_base, local_paths=False, offline=True)
+        assert e.value.code == "base_not_found" and "Hub id" in e.value.message
+    store = tmp_path / "store"
+    (store / "org").mkdir(parents=True)
+    (store / "org" / "tiny").symlink_to(base, target_is_directory=True)
+    found = resolve_base("org/tiny", model_store=store, local_paths=False, offline=True)
+    assert found.model_id == "org/tiny"

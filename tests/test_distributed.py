@@ -60,14 +60,15 @@ class Cluster:
                     "NUCLEUS_EXPORT_ARTIFACT_STORE": f"s3://nxexports/{self.prefix}", "NUCLEUS_EXPORT_S3_ENDPOINT_URL": s3_url,
                     "NUCLEUS_EXPORT_SECRET_KEY": "cluster-secret", "NUCLEUS_EXPORT_STALLED_SECONDS": "3", "NUCLEUS_EXPORT_HEARTBEAT_SECONDS": "0.5",
                     "NUCLEUS_EXPORT_LEASE_SECONDS": "10", "NUCLEUS_EXPORT_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.0/8",
-                    "NUCLEUS_EXPORT_WEBHOOK_RETRY_SCHEDULE": "0.2,0.2,0.2"}
+                    "NUCLEUS_EXPORT_WEBHOOK_RETRY_SCHEDULE": "0.2,0.2,0.2",
+                    "NUCLEUS_EXPORT_MODEL_STORE": str(sample["model_store"])}
         self.services = Services(replace(settings_for(tmp / "local"), database_url=db, queue="procrastinate", artifact_store=f"s3://nxexports/{self.prefix}",
-                                         s3_endpoint_url=s3_url, secret_key="cluster-secret", stalled_seconds=3))
+                                         s3_endpoint_url=s3_url, secret_key="cluster-secret", stalled_seconds=3, model_store=str(sample["model_store"])))
         self.procs: list[subprocess.Popen] = []
         key = f"{self.prefix}/checkpoints/acme/{RUN}/000240.tar.gz"
         self.services.artifacts.client.upload_file(str(sample["archive"]), "nxexports", key)
         _, self.key = self.services.keys.create("acme", ["train", "read"])
-        self.ck, _ = self.services.checkpoints.register("acme", RUN, "sampler_weights/000240", uri=f"s3://nxexports/{key}", sha256=sample["sha"], base_model=str(sample["base"]))
+        self.ck, _ = self.services.checkpoints.register("acme", RUN, "sampler_weights/000240", uri=f"s3://nxexports/{key}", sha256=sample["sha"], base_model=sample["base_id"])
 
     def worker(self, name: str, concurrency: int = 1, extra: list[str] | None = None) -> subprocess.Popen:
         env = {**self.env, "NUCLEUS_EXPORT_DATA_DIR": str(self.tmp / name)}

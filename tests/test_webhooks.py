@@ -166,7 +166,7 @@ def test_inbound_hook_starts_rule_exports_exactly_once(svc):
         assert r.status_code == 201, r.text
         rule = r.json()
         hook = {"type": "checkpoint.saved", "data": {"checkpoint": "nucleus://run_3Bz:train:0/sampler_weights/000240", "uri": svc.sample["uri"],
-                                                     "base_model": str(svc.sample["base"]), "step": 240, "sha256": svc.sample["sha"]}}
+                                                     "base_model": svc.sample["base_id"], "step": 240, "sha256": svc.sample["sha"]}}
         raw, headers = signed(hook)
         first = client.post("/v1/hooks/checkpoint-saved", content=raw, headers=headers)
         assert first.status_code == 200, first.text

@@ -30,6 +30,8 @@ class ConvertOptions:
     model_store: str | None = None
     base_revision: str | None = None
     offline: bool | None = None
+    # False where the base model's name comes from a user of the service: Hub ids only, no local paths
+    allow_local_base: bool = True
     limits: ArchiveLimits = field(default_factory=ArchiveLimits)
     # GGUF
     quant: str = "f16"

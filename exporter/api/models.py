@@ -96,7 +96,8 @@ class CheckpointBody(Strict):
     checkpoint_id: str | None = Field(None, description="id within the run, e.g. sampler_weights/000240", max_length=200)
     checkpoint: str | None = Field(None, description="or the full name: nucleus://run_3Bz:train:0/sampler_weights/000240", max_length=400)
     uri: str = Field(..., description="where the archive is: s3://bucket/key, https://…, file:///…", min_length=1, max_length=2000)
-    base_model: str | None = Field(None, max_length=300)
+    base_model: str | None = Field(None, max_length=300, pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$",
+                                   description="a Hub id (org/name), found in the workers' model store or on the Hub")
     step: int | None = Field(None, ge=0)
     sha256: str | None = Field(None, pattern="^[0-9a-f]{64}$")
     size: int | None = Field(None, ge=0)

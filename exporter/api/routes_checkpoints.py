@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -138,6 +139,8 @@ async def checkpoint_saved(request: Request):
         step = data.get("step")
         if step is not None and (not isinstance(step, int) or step < 0):
             raise ValueError("step")
+        if data.get("base_model") is not None and not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", str(data["base_model"])):
+            raise ValueError("base_model")
     except (ValueError, KeyError, TypeError) as exc:
         if isinstance(exc, ExportError):
             raise

@@ -55,11 +55,12 @@ def run(args) -> int:
     root.mkdir(parents=True)
     print(f"building a sample base model and checkpoint in {root} …")
     tok = samples.build_tokenizer(root / "tokenizer")
-    base = samples.build_base(root / "base-model", {**DEMO_CONFIG, "eos_token_id": 2, "pad_token_id": 0}, tok)
+    # the service names base models by Hub id and finds them in its model store
+    base = samples.build_base(root / "models" / "demo" / "tiny-qwen3", {**DEMO_CONFIG, "eos_token_id": 2, "pad_token_id": 0}, tok)
     checkpoint = "nucleus://run_demo:train:0/sampler_weights/000001"
 
     # Embedded mode: SQLite operations store, local artifact store, in-process workers, the API on loopback.
-    services = Services(Settings(data_dir=root / "service"))
+    services = Services(Settings(data_dir=root / "service", model_store=str(root / "models")))
     (services.artifacts.root / "checkpoints" / "demo" / "run_demo").mkdir(parents=True)  # tenant demo's part of the store
     archive = samples.build_archive(services.artifacts.root / "checkpoints" / "demo" / "run_demo" / "000001.tar.zst", base, rank=8, alpha=16, unembed=True,
                                     compression="zstd", meta={"run_id": "run_demo", "checkpoint_id": "sampler_weights/000001", "step": 1})
@@ -70,7 +71,7 @@ def run(args) -> int:
         _, key = services.keys.create("demo", ["train", "read"], "demo")
         api = ApiClient(server.url, key)
         print(f"service on {server.url} (store {services.store.url}); registering {checkpoint}")
-        api.register_checkpoint(checkpoint, archive.as_uri(), base_model=str(base), step=1)
+        api.register_checkpoint(checkpoint, archive.as_uri(), base_model="demo/tiny-qwen3", step=1)
         ops = {}
         for fmt in sorted(registry.available()):
             # The demo's freshly trained tokenizer is, by construction, unknown to
