@@ -101,22 +101,24 @@ def convert(
                 raise ExportError(E.VERIFY_FAILED, f"verification failed: the exported model's log-probabilities differ from the reference by {verification['max_abs_logprob_diff']:.3g} (tolerance {verification['tolerance']['max_abs_logprob_diff']}); the export was discarded.")
 
         meta = (checkpoint.meta or {}) if checkpoint else {}
+        where = (lambda p: None) if options.reproducible else (lambda p: p)
         manifest = OutputManifest(
             format=format,
-            path=str(out),
+            path=where(str(out)),
             files=[asdict(r) for r in records.values()],
             source={
-                "path": str(checkpoint.source) if checkpoint else None,
+                "path": where(str(checkpoint.source)) if checkpoint else None,
                 "sha256": checkpoint.source_sha256 if checkpoint else None,
                 **{k: meta[k] for k in ("run_id", "checkpoint_id", "step") if k in meta},
             },
-            base_model={**base_model.reference(), "architecture": base_model.family.name},
+            base_model={**base_model.reference(), "architecture": base_model.family.name, **({"path": None} if options.reproducible else {})},
             options={"dtype": options.dtype, "max_shard_size": options.max_shard_size, "force_base": options.force_base,
                      **({"quant": options.quant, "split_max_size": options.split_max_size} if format.startswith("gguf") else {})},
             plan=plan.summary(),
             verification=verification,
             reports=converter.report(ctx, plan),
             notes=plan.notes,
+            **({"created_at": None} if options.reproducible else {}),
         )
         with open(tmp / MANIFEST_NAME, "xb") as f:
             f.write(manifest.to_json())

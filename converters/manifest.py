@@ -23,7 +23,7 @@ def tool_version() -> str:
 @dataclass
 class OutputManifest:
     format: str
-    path: str
+    path: str | None  # None in a reproducible manifest
     files: list[dict]  # {name, size, sha256}
     source: dict  # archive path, sha256, run/checkpoint ids
     base_model: dict  # id, revision, path, architecture
@@ -34,7 +34,7 @@ class OutputManifest:
     notes: list[str] = field(default_factory=list)
     tool: str = "nucleus-export"
     tool_version: str = field(default_factory=tool_version)
-    created_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    created_at: str | None = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict:

@@ -280,7 +280,8 @@ class Worker:
 
     def _convert(self, op: Operation, archive: str, out: Path) -> None:
         req = op.request
-        options = {"model_store": self.config.model_store, **(req.get("options") or {})}
+        # reproducible: a resumed attempt, on any worker, writes the same manifest bytes as an undisturbed one
+        options = {"model_store": self.config.model_store, **(req.get("options") or {}), "reproducible": True}
         ctx = mp.get_context("spawn")  # never fork a process holding threads and torch state
         parent, child_end = ctx.Pipe(duplex=False)
         self._child = child = ctx.Process(target=_child, args=(child_end, archive, req.get("base"), req["format"], str(out), options), daemon=True)

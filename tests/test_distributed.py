@@ -206,9 +206,7 @@ def test_worker_killed_mid_conversion_is_finished_by_another(cluster):
     # byte-identical to an undisturbed fp32 export
     undisturbed = cluster.submit("merged-safetensors", dtype="fp32", commit_message=None)
     [u] = cluster.wait_all([undisturbed.id])
-    got, want = _s3_files(cluster, op.id), _s3_files(cluster, u.id)
-    got.pop("nucleus-export.json"), want.pop("nucleus-export.json")  # differs by creation time and job folder
-    assert got == want
+    assert _s3_files(cluster, op.id) == _s3_files(cluster, u.id), "byte-identical, the manifest too, though another machine wrote it"
 
 
 @pytest.mark.slow

@@ -119,3 +119,16 @@ def test_vllm_rank_support_reported(tmp_path, model_dir):
     report = json.loads((adapter / MANIFEST_NAME).read_text())["reports"]["compatibility"]
     assert report["vllm"]["compatible"] is False and "rank" in report["vllm"]["problems"][0]
     assert report["sglang"]["compatible"] is True
+
+
+def test_reproducible_manifest_holds_no_paths_or_times(tmp_path, model_dir):
+    """The job runner's outputs are byte-identical wherever and whenever they are written, manifest included."""
+    from converters import ConvertOptions, convert, samples
+
+    base = model_dir("qwen3")
+    archive = samples.build_archive(tmp_path / "a.tar.gz", base, rank=4)
+    for name in ("one", "two"):
+        convert(str(archive), str(base), "lora-adapter", tmp_path / name, ConvertOptions(verify=False, reproducible=True))
+    assert (tmp_path / "one" / "nucleus-export.json").read_bytes() == (tmp_path / "two" / "nucleus-export.json").read_bytes()
+    plain = convert(str(archive), str(base), "lora-adapter", tmp_path / "three", ConvertOptions(verify=False))
+    assert plain.path == str(tmp_path / "three") and plain.created_at and plain.source["path"]

@@ -32,6 +32,9 @@ class ConvertOptions:
     offline: bool | None = None
     # False where the base model's name comes from a user of the service: Hub ids only, no local paths
     allow_local_base: bool = True
+    # the manifest leaves out where and when (output and input paths, creation time), so one
+    # export is byte-identical wherever and whenever it runs (the job runner's resumed attempts)
+    reproducible: bool = False
     limits: ArchiveLimits = field(default_factory=ArchiveLimits)
     # GGUF
     quant: str = "f16"
