@@ -394,3 +394,39 @@ def test_worker_killed_during_a_stage_is_resumed_exactly_once(env, stage):
         assert hashlib.sha256(data).hexdigest() == ref_files[name] == got_files[name], name
     manifest = json.loads(download(artifacts, next(f["url"] for f in done.result["files"] if f["name"] == "nucleus-export.json")))
     assert manifest["path"] is None and manifest["created_at"] is None and manifest["source"]["path"] is None
+
+
+def test_settings_file_under_environment(tmp_path, monkeypatch):
+    """One typed settings object: a TOML file, overridden by NUCLEUS_EXPORT_* variables; unknown keys refused."""
+    from exporter.settings import Settings
+
+    f = tmp_path / "settings.toml"
+    f.write_text('port = 9001\nworkers = 3\nhf_token = "hf_from_file"\nwebhook_retry_schedule = "1,2"\nqueue = "embedded"\n')
+    monkeypatch.setenv("NUCLEUS_EXPORT_SETTINGS_FILE", str(f))
+    monkeypatch.setenv("NUCLEUS_EXPORT_WORKERS", "5")
+    s = Settings.from_env()
+    assert (s.port, s.workers, s.hf_token, s.retry_schedule(), s.queue) == (9001, 5, "hf_from_file", (1.0, 2.0), "embedded")
+    assert "hf_from_file" not in repr(s)
+    f.write_text("colour = 'blue'\n")
+    with pytest.raises(ValueError, match="unknown settings colour"):
+        Settings.from_env()
+
+
+def test_worker_command_runs_jobs_concurrently(env, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    store = Store(sqlite_url(data / "operations.db"))
+    ids = [store.create(request(env, fmt="lora-adapter"))[0].id for _ in range(3)]
+    environ = {**os.environ, "NUCLEUS_EXPORT_DATA_DIR": str(data), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "exporter", "worker", "--concurrency", "2", "--poll-seconds", "0.2"], env=environ, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 300
+        while not all(store.get(i).finished for i in ids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGTERM)  # finishes the current job, then stops
+        assert proc.wait(120) == 0
+    assert [store.get(i).status for i in ids] == ["succeeded"] * 3
+    workers = {e.data["worker"] for i in ids for e in store.events(i) if e.kind == "claimed"}
+    assert len(workers) == 2, f"two worker threads shared the jobs: {workers}"
+    store.close()
