@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import fields
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -81,8 +82,8 @@ def _rule_spec(rule, fmt: str) -> ExportSpec:
     o = dict(rule.options or {})
     if fmt != "gguf":
         o.pop("quant", None)  # one quant option serves the gguf format of a multi-format rule
-    return ExportSpec(format=fmt, destination=rule.destination, hf_repo=rule.hf_repo, **{k: o.get(k) for k in ("hf_token_ref", "quant", "dtype", "verify", "private", "revision", "commit_message", "allow_unknown_pretokenizer")},
-                      replace_card=bool(o.get("replace_card")))
+    options = {f.name: o[f.name] for f in fields(ExportSpec) if f.name in o and f.name not in ("format", "destination", "hf_repo")}
+    return ExportSpec(format=fmt, destination=rule.destination, hf_repo=rule.hf_repo, **options)
 
 
 @router.post("/v1/training-runs/{run_id}/export-rules", status_code=201, response_model=RuleOut, tags=["export rules"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse
 
@@ -22,8 +24,7 @@ RETRY_AFTER_SECONDS = 2
 
 def spec_from(body) -> ExportSpec:
     d = body.model_dump()
-    return ExportSpec(**{k: d.get(k) for k in ("format", "destination", "hf_repo", "hf_token_ref", "quant", "dtype", "verify", "private", "revision", "commit_message", "allow_unknown_pretokenizer")},
-                      replace_card=bool(d.get("replace_card")))
+    return ExportSpec(**{f.name: d[f.name] for f in fields(ExportSpec) if f.name in d})
 
 
 @router.post("/v1/training-runs/{run_id}/checkpoints/{checkpoint_id:path}/export", status_code=202, response_model=ExportAccepted, tags=["exports"],
