@@ -12,6 +12,7 @@ the signed checkpoint-saved hook come from the platform itself and are trusted.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import unquote, urlsplit
 
 from converters import errors as E
@@ -20,18 +21,26 @@ from converters.errors import ExportError
 from .artifacts import LocalStore, S3Store
 
 
-def owned_location(uri: str, artifacts) -> tuple[str, object] | None:
-    """("local", path) / ("s3", key) when ``uri`` lies in our artifact store, else None."""
+class Owned(NamedTuple):
+    kind: str  # "local" or "s3"
+    location: object  # the file's Path, or the object's full S3 key
+    key: str  # the artifact store's key (what signed_url takes)
+
+
+def owned_location(uri: str, artifacts) -> Owned | None:
+    """Where ``uri`` lies in our artifact store, or None when it is elsewhere."""
     u = urlsplit(uri)
     if isinstance(artifacts, LocalStore) and u.scheme in ("", "file"):
         p = Path(unquote(u.path)).resolve()
         root = artifacts.root.resolve()
         if root in p.parents:
-            return "local", p
+            return Owned("local", p, p.relative_to(root).as_posix())
     if isinstance(artifacts, S3Store) and u.scheme == "s3" and u.netloc == artifacts.bucket:
         key = u.path.lstrip("/")
-        if not artifacts.prefix or key.startswith(artifacts.prefix + "/"):
-            return "s3", key
+        if not artifacts.prefix:
+            return Owned("s3", key, key)
+        if key.startswith(artifacts.prefix + "/"):
+            return Owned("s3", key, key[len(artifacts.prefix) + 1:])
     return None
 
 

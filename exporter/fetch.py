@@ -6,14 +6,18 @@ resumed with ``Range`` + ``If-Range`` after an interruption), and ``s3://``
 in ``partial/`` under a name derived from the URI and moves into
 ``archives/<sha256>`` only when complete and checked, so the cache never
 holds a half-written or unverified archive. Free disk space is checked before
-a byte is downloaded.
+a byte is downloaded. Fetches of one URI take turns under a file lock, so
+workers sharing a data dir (threads or processes) download it once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -41,8 +45,9 @@ class ArchiveCache:
         self.root = Path(root)
         self.archives = self.root / "archives"
         self.partial = self.root / "partial"
-        self.archives.mkdir(parents=True, exist_ok=True)
-        self.partial.mkdir(parents=True, exist_ok=True)
+        self.locks = self.root / "locks"  # kept: removing a lock file under a waiter would let two fetchers in
+        for d in (self.archives, self.partial, self.locks):
+            d.mkdir(parents=True, exist_ok=True)
 
     def path(self, sha256: str) -> Path:
         return self.archives / sha256.lower()
@@ -53,6 +58,24 @@ class ArchiveCache:
 
     def partial_for(self, uri: str) -> Path:
         return self.partial / (hashlib.sha256(uri.encode()).hexdigest()[:32] + ".part")
+
+    @contextlib.contextmanager
+    def lock(self, uri: str, waiting: Callable[[], None] | None = None) -> Iterator[None]:
+        """One fetch of ``uri`` at a time, across the threads and processes sharing this cache
+        (they share its partial file). ``waiting`` is called while another holds it (a cancel check)."""
+        with open(self.locks / self.partial_for(uri).with_suffix(".lock").name, "a+") as fh:
+            while True:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if waiting:
+                        waiting()
+                    time.sleep(0.1)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
 
     def adopt(self, tmp: Path, sha256: str) -> Path:
         """Move a complete, checked file into the cache (atomic rename)."""
@@ -78,6 +101,13 @@ def fetch(uri: str, cache: ArchiveCache, *, expected_sha256: str | None = None, 
     """Bring ``uri`` into the cache (or find it there) and return where it is."""
     if expected_sha256 and (hit := cache.get(expected_sha256)):
         return Fetched(hit, expected_sha256.lower(), hit.stat().st_size, cached=True)
+    with cache.lock(uri, (lambda: progress(0, 0)) if progress else None):
+        if expected_sha256 and (hit := cache.get(expected_sha256)):  # fetched by whoever held the lock
+            return Fetched(hit, expected_sha256.lower(), hit.stat().st_size, cached=True)
+        return _fetch_uncached(uri, cache, expected_sha256, expected_size, s3_endpoint_url, timeout, progress)
+
+
+def _fetch_uncached(uri, cache, expected_sha256, expected_size, s3_endpoint_url, timeout, progress) -> Fetched:
     scheme = urlparse(uri).scheme
     if scheme in ("", "file"):
         return _fetch_file(uri, cache, expected_sha256, expected_size)

@@ -46,10 +46,10 @@ class Sweeper:
                 report["kept"].append(ck.ref)
                 continue
             where = owned_location(ck.uri, self.s.artifacts)
-            if where and where[0] == "local":
-                where[1].unlink(missing_ok=True)
+            if where and where.kind == "local":
+                where.location.unlink(missing_ok=True)
             elif where:
-                self.s.artifacts.client.delete_object(Bucket=self.s.artifacts.bucket, Key=where[1])
+                self.s.artifacts.client.delete_object(Bucket=self.s.artifacts.bucket, Key=where.location)
             log.info("deleted expired checkpoint %s (%s)", ck.ref, "archive removed" if where else "archive not in our store; left in place")
             report["deleted"].append(ck.ref)
         self.s.idempotency.purge()

@@ -20,6 +20,8 @@
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import ipaddress
 import json
 import logging
@@ -53,9 +55,6 @@ def new_secret() -> str:
 
 
 def sign(secret: str, msg_id: str, timestamp: int, body: str) -> str:
-    import hashlib
-    import hmac
-
     key = base64.b64decode(secret.removeprefix("whsec_"))
     mac = hmac.new(key, f"{msg_id}.{timestamp}.{body}".encode(), hashlib.sha256).digest()
     return "v1," + base64.b64encode(mac).decode()

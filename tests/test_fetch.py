@@ -187,3 +187,26 @@ def test_s3_download_and_resume(s3, cache):
     with pytest.raises(ExportError) as ei:
         fetch("s3://ckpts/missing.tar", cache, s3_endpoint_url=s3)
     assert ei.value.code == E.FETCH_NOT_FOUND
+
+
+def test_concurrent_fetches_of_one_uri_share_the_cache(tmp_path, cache):
+    """Two jobs (threads or processes on one data dir) fetching the same archive at once: one downloads, both get it."""
+    src = tmp_path / "big.bin"
+    src.write_bytes(os.urandom(8 << 20))
+    sha = hashlib.sha256(src.read_bytes()).hexdigest()
+    results, errors = [], []
+
+    def one():
+        try:
+            results.append(fetch(src.as_uri(), cache, expected_sha256=sha))
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 4
+    assert {r.path for r in results} == {cache.path(sha)} and sum(not r.cached for r in results) == 1
+    assert not list(cache.partial.glob("*.part"))

@@ -426,7 +426,7 @@ def test_worker_command_runs_jobs_concurrently(env, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)  # finishes the current job, then stops
         assert proc.wait(120) == 0
-    assert [store.get(i).status for i in ids] == ["succeeded"] * 3
+    assert [store.get(i).status for i in ids] == ["succeeded"] * 3, [(store.get(i).error_code, store.get(i).error_message) for i in ids]
     workers = {e.data["worker"] for i in ids for e in store.events(i) if e.kind == "claimed"}
     assert len(workers) == 2, f"two worker threads shared the jobs: {workers}"
     store.close()

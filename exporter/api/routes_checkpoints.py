@@ -54,11 +54,7 @@ def checkpoint_download_url(run_id: str, checkpoint_id: str, request: Request, k
     where = owned_location(ck.uri, s.artifacts)
     if where is None:
         raise ExportError(E.ARCHIVE_NOT_DOWNLOADABLE, f"the archive of {ck.ref} is at {ck.uri.split('?')[0]}, outside this service's artifact store; download it from there.", field="checkpoint_id")
-    if where[0] == "local":
-        key_path = where[1].relative_to(s.artifacts.root.resolve()).as_posix()
-    else:
-        key_path = where[1][len(s.artifacts.prefix) + 1:] if s.artifacts.prefix else where[1]
-    signed = s.artifacts.signed_url(key_path, s.settings.url_ttl_seconds)
+    signed = s.artifacts.signed_url(where.key, s.settings.url_ttl_seconds)
     return {"url": signed.url, "expires_at": signed.expires_at.isoformat()}
 
 

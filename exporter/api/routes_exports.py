@@ -12,7 +12,7 @@ from converters.errors import ExportError
 
 from .. import checkpoint_ref
 from ..exports import ExportSpec, submit
-from ..publish.signed_url import fresh_urls
+from ..runner import fresh_urls
 from ..store import STATUSES, fingerprint
 from ..store.keys import ApiKey
 from .auth import require
@@ -94,6 +94,4 @@ def refresh_urls(operation_id: str, request: Request, key: ApiKey = require("rea
     """Fresh signed URLs for a finished signed-url export, without exporting again."""
     s = request.app.state.services
     op = s.store.get(operation_id, tenant=key.tenant)
-    if op.status != "succeeded" or not op.result or op.result.get("destination") != "signed-url":
-        raise ExportError(E.INVALID_TRANSITION, f"operation {operation_id} has no downloadable files ({op.status}).", field="operation_id")
-    return {**operation_out(op), "result": fresh_urls(op, s.artifacts, s.settings.url_ttl_seconds)}
+    return {**operation_out(op), "result": fresh_urls(s.store, s.artifacts, op.id, s.settings.url_ttl_seconds)}

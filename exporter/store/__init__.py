@@ -326,17 +326,7 @@ class Store:
             if not candidates:
                 return None
             for op in candidates:
-                if op.status == "cancelling":  # cancelled while its worker was dying
-                    self._cas(op, {"status": "cancelled", "finished_at": now, "worker_id": None, "lease_expires_at": None}, "status", {"from": "cancelling", "to": "cancelled", "reason": "lease expired"})
-                    continue
-                if op.attempts >= max_attempts:
-                    self._cas(op, {"status": "failed", "finished_at": now, "worker_id": None, "lease_expires_at": None, "error_code": E.ATTEMPTS_EXHAUSTED,
-                                   "error_message": f"the export failed on all {max_attempts} attempts; the last worker stopped without finishing."},
-                              "status", {"from": op.status, "to": "failed", "error": E.ATTEMPTS_EXHAUSTED})
-                    continue
-                taken = self._cas(op, {"status": "running", "worker_id": worker_id, "lease_expires_at": now + timedelta(seconds=lease_seconds),
-                                       "attempts": op.attempts + 1, "started_at": op.started_at or now},
-                                  "claimed", {"worker": worker_id, "attempt": op.attempts + 1, "reclaimed": op.status == "running"})
+                taken, _closed = self._take(op, worker_id, lease_seconds=lease_seconds, max_attempts=max_attempts, reason="lease expired")
                 if taken is not None:
                     return taken
 
@@ -346,23 +336,31 @@ class Store:
         there is nothing to run (finished, or cancelled meanwhile)."""
         for _ in range(20):
             op = self.get(op_id)
-            now = utcnow()
             if op.finished:
                 return None
-            if op.status == "cancelling":
-                self._cas(op, {"status": "cancelled", "finished_at": now, "worker_id": None, "lease_expires_at": None}, "status", {"from": "cancelling", "to": "cancelled", "reason": "worker stopped"})
-                return None
-            if op.attempts >= max_attempts:
-                self._cas(op, {"status": "failed", "finished_at": now, "worker_id": None, "lease_expires_at": None, "error_code": E.ATTEMPTS_EXHAUSTED,
-                               "error_message": f"the export failed on all {max_attempts} attempts; the last worker stopped without finishing."},
-                          "status", {"from": op.status, "to": "failed", "error": E.ATTEMPTS_EXHAUSTED})
-                return None
-            taken = self._cas(op, {"status": "running", "worker_id": worker_id, "lease_expires_at": now + timedelta(seconds=lease_seconds),
-                                   "attempts": op.attempts + 1, "started_at": op.started_at or now},
-                              "claimed", {"worker": worker_id, "attempt": op.attempts + 1, "reclaimed": op.status == "running"})
-            if taken is not None:
+            taken, closed = self._take(op, worker_id, lease_seconds=lease_seconds, max_attempts=max_attempts, reason="worker stopped")
+            if taken is not None or closed:
                 return taken
         return None
+
+    def _take(self, op: Operation, worker_id: str, *, lease_seconds: float, max_attempts: int, reason: str) -> tuple[Operation | None, bool]:
+        """Lease ``op`` to ``worker_id``: (the leased operation, False). An operation that must not run
+        again is closed instead, giving (None, True): cancelling becomes cancelled, one whose attempts
+        are used up fails. (None, False): another writer changed it first."""
+        now = utcnow()
+        closed = {"finished_at": now, "worker_id": None, "lease_expires_at": None}
+        if op.status == "cancelling":  # cancelled while its worker was dying
+            self._cas(op, {"status": "cancelled", **closed}, "status", {"from": "cancelling", "to": "cancelled", "reason": reason})
+            return None, True
+        if op.attempts >= max_attempts:
+            self._cas(op, {"status": "failed", **closed, "error_code": E.ATTEMPTS_EXHAUSTED,
+                           "error_message": f"the export failed on all {max_attempts} attempts; the last worker stopped without finishing."},
+                      "status", {"from": op.status, "to": "failed", "error": E.ATTEMPTS_EXHAUSTED})
+            return None, True
+        taken = self._cas(op, {"status": "running", "worker_id": worker_id, "lease_expires_at": now + timedelta(seconds=lease_seconds),
+                               "attempts": op.attempts + 1, "started_at": op.started_at or now},
+                          "claimed", {"worker": worker_id, "attempt": op.attempts + 1, "reclaimed": op.status == "running"})
+        return taken, False
 
     def heartbeat(self, op_id: str, worker_id: str, *, lease_seconds: float = 60) -> Operation:
         """Extend the lease; raises lease_lost if another worker took the operation over."""
